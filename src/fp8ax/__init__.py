@@ -1,0 +1,24 @@
+"""FP8 training for Equinox and Haliax models."""
+
+import importlib.metadata
+
+# configuration
+from ._config import Fp8Config as Fp8Config
+from ._recipes import AbstractScalingRecipe as AbstractScalingRecipe, DelayedScaling as DelayedScaling
+
+# top level UX
+from ._transform import fp8_linear_layers as fp8_linear_layers
+from ._update import (
+    OverwriteWithGradient as OverwriteWithGradient,
+    apply_updates as apply_updates,
+    partition_for_grad_overwrite as partition_for_grad_overwrite,
+)
+from ._cast import cast_floating as cast_floating
+from ._inspect import GemmReport as GemmReport, gemm_report as gemm_report
+
+# modules and state
+from ._dot_general import Fp8DotGeneral as Fp8DotGeneral
+from ._transform import Fp8Linear as Fp8Linear
+from ._state import ScalingState as ScalingState
+
+__version__ = importlib.metadata.version("fp8ax")

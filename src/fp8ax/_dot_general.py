@@ -1,0 +1,371 @@
+import functools
+from collections.abc import Sequence
+from typing import Literal, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array, ArrayLike
+
+from . import _formats
+from ._maxgrad import as_f32, is_max, merged_amax, raw_to_max
+from ._recipes import AbstractScalingRecipe, DelayedScaling
+from ._state import ScalingState
+from ._update import OverwriteWithGradient
+
+Mode = Literal["direct", "qdq"]
+_MODES = ("direct", "qdq")
+
+DimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
+
+
+def _check_precision(value, argname: str):
+    if value is None or isinstance(value, lax.Precision):
+        return value
+    if isinstance(value, str):
+        try:
+            return lax.Precision(value)
+        except ValueError:
+            pass
+    raise TypeError(f"`{argname}` must be None or a `jax.lax.Precision`, got {value!r}.")
+
+
+class Fp8DotGeneral(OverwriteWithGradient):
+    """FP8 drop-in for `jax.lax.dot_general`, with per-tensor delayed scaling.
+
+    Holds the scaling state of its three tensors as float32 leaves: `lhs` (the input),
+    `rhs` (the kernel) and `grad` (the gradient of the output), each a
+    [`fp8ax.ScalingState`][] with `scale` and `amax_history`. Its custom VJP returns the
+    new state as the "gradient" of those leaves; see [`fp8ax.apply_updates`][].
+
+    It has the call signature of `jax.lax.dot_general`, so it goes wherever Haliax takes a
+    `dot_general`: `hax.nn.Linear(..., dot_general=...)`, `hax.dot(..., dot_general=...)`,
+    `NamedArray.dot(..., dot_general=...)`.
+    """
+
+    lhs: ScalingState
+    rhs: ScalingState
+    grad: ScalingState
+    recipe: AbstractScalingRecipe = eqx.field(static=True)
+    mode: Mode = eqx.field(static=True)
+    compute_dtype: np.dtype | None = eqx.field(static=True)
+    fwd_precision: lax.Precision | None = eqx.field(static=True)
+    dlhs_precision: lax.Precision | None = eqx.field(static=True)
+    drhs_precision: lax.Precision | None = eqx.field(static=True)
+
+    def __check_init__(self):
+        if not isinstance(self.recipe, AbstractScalingRecipe):
+            raise TypeError(
+                f"`recipe` must be an `fp8ax.AbstractScalingRecipe` such as `fp8ax.DelayedScaling()`, "
+                f"got {type(self.recipe).__name__}."
+            )
+        if self.mode not in _MODES:
+            raise ValueError(f"`mode` must be one of {_MODES}, got {self.mode!r}.")
+        for name in ("lhs", "rhs", "grad"):
+            if not isinstance(getattr(self, name), ScalingState | None):
+                raise TypeError(f"`{name}` must be an `fp8ax.ScalingState`, got {type(getattr(self, name)).__name__}.")
+
+    @classmethod
+    def init(
+        cls,
+        recipe: AbstractScalingRecipe | None = None,
+        *,
+        mode: Mode = "direct",
+        compute_dtype=None,
+        fwd_precision: lax.Precision | None = None,
+        dlhs_precision: lax.Precision | None = lax.Precision.DEFAULT,
+        drhs_precision: lax.Precision | None = lax.Precision.DEFAULT,
+        batch_shape: tuple[int, ...] = (),
+    ) -> "Fp8DotGeneral":
+        """Builds an `Fp8DotGeneral` with fresh state (scale 1, empty history).
+
+        **Arguments:**
+
+        - `recipe`: the scaling recipe; default [`fp8ax.DelayedScaling`][]`()`.
+        - `mode`: `"direct"` (default) quantises both operands and calls
+          `lax.dot_general` on the FP8 arrays with a float32 result, then multiplies by
+          the two scales. `"qdq"` quantises, dequantises back to the compute dtype and
+          calls a high-precision `dot_general`: the convert-multiply-dot pattern that
+          XLA's GPU compiler rewrites into a cuBLASLt FP8 GEMM. Both give the same result
+          up to float32 rounding. (Keyword only argument.)
+        - `compute_dtype`: if given, both operands are cast to it first (for example
+          `jnp.bfloat16`). (Keyword only argument.)
+        - `fwd_precision`: `lax.Precision` of the forward GEMM; `None` uses the `precision`
+          passed by the caller. On GPU, `DEFAULT` lets XLA use FP8 fast accumulation and
+          `HIGHEST` turns it off. (Keyword only argument.)
+        - `dlhs_precision`, `drhs_precision`: the same for the two backward GEMMs (input
+          gradient and kernel gradient). (Keyword only arguments.)
+        - `batch_shape`: leading shape of the state arrays, one state per stacked layer
+          (what [`fp8ax.fp8_linear_layers`][] uses inside `haliax.nn.Stacked`). (Keyword
+          only argument.)
+        """
+        if recipe is None:
+            recipe = DelayedScaling()
+        if not isinstance(recipe, AbstractScalingRecipe):
+            raise TypeError(
+                f"`recipe` must be an `fp8ax.AbstractScalingRecipe` such as `fp8ax.DelayedScaling()`, "
+                f"got {type(recipe).__name__}."
+            )
+        if compute_dtype is not None:
+            try:
+                compute_dtype = np.dtype(compute_dtype)
+            except TypeError:
+                raise TypeError(f"`compute_dtype` must be None or a floating dtype, got {compute_dtype!r}.") from None
+            if not jnp.issubdtype(compute_dtype, jnp.floating) or compute_dtype in _formats.FP8_DTYPES:
+                raise TypeError(f"`compute_dtype` must be a floating dtype wider than 8 bits, got {compute_dtype}.")
+        batch_shape = tuple(int(b) for b in batch_shape)
+        return cls(
+            lhs=recipe.init_state(batch_shape),
+            rhs=recipe.init_state(batch_shape),
+            grad=recipe.init_state(batch_shape),
+            recipe=recipe,
+            mode=mode,
+            compute_dtype=compute_dtype,
+            fwd_precision=_check_precision(fwd_precision, "fwd_precision"),
+            dlhs_precision=_check_precision(dlhs_precision, "dlhs_precision"),
+            drhs_precision=_check_precision(drhs_precision, "drhs_precision"),
+        )
+
+    @jax.named_scope("fp8ax.Fp8DotGeneral")
+    def __call__(
+        self,
+        lhs: ArrayLike,
+        rhs: ArrayLike,
+        dimension_numbers: DimensionNumbers,
+        precision=None,
+        preferred_element_type=None,
+    ) -> Array:
+        """`jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)`
+        computed on FP8-quantised operands.
+
+        **Arguments:**
+
+        - `lhs`: the input (activations), a floating-point array.
+        - `rhs`: the kernel (weights), a floating-point array.
+        - `dimension_numbers`: `((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`,
+          as for `jax.lax.dot_general`.
+        - `precision`: used for the forward GEMM unless `fwd_precision` was set.
+        - `preferred_element_type`: the output dtype, as for `jax.lax.dot_general`.
+
+        **Returns:**
+
+        An array of the shape and dtype that `jax.lax.dot_general` returns for the same
+        arguments (bf16 operands give a bf16 result unless `preferred_element_type` says
+        otherwise).
+        """
+        lhs = _check_operand(lhs, "lhs")
+        rhs = _check_operand(rhs, "rhs")
+        if self.compute_dtype is not None:
+            lhs = lhs.astype(self.compute_dtype)
+            rhs = rhs.astype(self.compute_dtype)
+        dims = _check_dimension_numbers(dimension_numbers, lhs.shape, rhs.shape)
+        if preferred_element_type is not None:
+            try:
+                preferred_element_type = np.dtype(preferred_element_type)
+            except TypeError:
+                raise TypeError(
+                    f"`preferred_element_type` must be None or a floating dtype, got {preferred_element_type!r}."
+                ) from None
+            if not jnp.issubdtype(preferred_element_type, jnp.floating):
+                raise TypeError(
+                    f"`preferred_element_type` must be a floating dtype for an FP8 dot, got {preferred_element_type}."
+                )
+        out = jax.eval_shape(
+            functools.partial(lax.dot_general, dimension_numbers=dims, preferred_element_type=preferred_element_type),
+            jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
+            jax.ShapeDtypeStruct(rhs.shape, rhs.dtype),
+        )
+        raw = []
+        for name in ("lhs", "rhs", "grad"):
+            state: ScalingState = getattr(self, name)
+            for leaf_name, leaf in zip(("scale", "amax_history"), state._raw()):
+                if not (is_max(leaf) or getattr(leaf, "dtype", None) == np.float32):
+                    raise TypeError(
+                        f"FP8 state `{name}.{leaf_name}` has dtype {getattr(leaf, 'dtype', type(leaf).__name__)}, but "
+                        "must stay float32 (a bf16 amax or scale loses the precision the scaling needs). It was "
+                        "probably cast along with the model: cast with `fp8ax.cast_floating(model, dtype)`, which "
+                        "leaves FP8 state alone."
+                    )
+                raw.append(leaf)
+        static = _Static(
+            dims=dims,
+            lhs_dtype=np.dtype(lhs.dtype),
+            rhs_dtype=np.dtype(rhs.dtype),
+            out_dtype=np.dtype(out.dtype),
+            preferred=preferred_element_type,
+            fwd_precision=self.fwd_precision if self.fwd_precision is not None else precision,
+            dlhs_precision=self.dlhs_precision,
+            drhs_precision=self.drhs_precision,
+            mode=self.mode,
+            recipe=self.recipe,
+            state_is_max=tuple(is_max(v) for v in raw),
+        )
+        return _fp8_dot(static, lhs, rhs, *raw)
+
+    def _overwritten_by(self, new: "Fp8DotGeneral") -> "Fp8DotGeneral":
+        # Used by `apply_updates`: take the new state of every layer the step used.
+        return eqx.tree_at(
+            lambda m: (m.lhs, m.rhs, m.grad),
+            self,
+            (
+                self.lhs._overwritten_by(new.lhs),
+                self.rhs._overwritten_by(new.rhs),
+                self.grad._overwritten_by(new.grad),
+            ),
+            is_leaf=lambda x: isinstance(x, ScalingState),
+        )
+
+
+def _check_operand(x, argname: str) -> Array:
+    if not isinstance(x, jax.Array | np.ndarray | np.generic):
+        raise TypeError(f"`{argname}` must be a floating-point array, got {type(x).__name__}.")
+    dtype = np.dtype(x.dtype)
+    if not jnp.issubdtype(dtype, jnp.floating) or dtype in _formats.FP8_DTYPES:
+        raise TypeError(
+            f"`{argname}` must be a float16, bfloat16, float32 or float64 array to be quantised to FP8, got dtype "
+            f"{dtype}. For integer or complex matmuls use `jax.lax.dot_general`."
+        )
+    return jnp.asarray(x)
+
+
+def _check_dimension_numbers(dimension_numbers, lhs_shape, rhs_shape):
+    try:
+        (lc, rc), (lb, rb) = dimension_numbers
+        lc, rc, lb, rb = (tuple(int(d) for d in ds) for ds in (lc, rc, lb, rb))
+    except (TypeError, ValueError):
+        raise TypeError(
+            "`dimension_numbers` must be ((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch)), "
+            f"got {dimension_numbers!r}."
+        ) from None
+    for name, ds, shape in (("lhs", lc + lb, lhs_shape), ("rhs", rc + rb, rhs_shape)):
+        bad = [d for d in ds if not -len(shape) <= d < len(shape)]
+        if bad:
+            raise ValueError(f"`dimension_numbers` names dimensions {bad} of `{name}`, which has shape {shape}.")
+    lc = tuple(d % len(lhs_shape) for d in lc)
+    rc = tuple(d % len(rhs_shape) for d in rc)
+    lb = tuple(d % len(lhs_shape) for d in lb)
+    rb = tuple(d % len(rhs_shape) for d in rb)
+    if len(lc) != len(rc) or len(lb) != len(rb):
+        raise ValueError(f"`dimension_numbers` pairs {len(lc)}/{len(lb)} lhs dims with {len(rc)}/{len(rb)} rhs dims.")
+    lsz = tuple(lhs_shape[d] for d in lc)
+    rsz = tuple(rhs_shape[d] for d in rc)
+    if lsz != rsz:
+        raise ValueError(
+            f"`lhs` and `rhs` do not contract: lhs dims {lc} have sizes {lsz} but rhs dims {rc} have sizes {rsz} "
+            f"(lhs shape {lhs_shape}, rhs shape {rhs_shape})."
+        )
+    lbs = tuple(lhs_shape[d] for d in lb)
+    rbs = tuple(rhs_shape[d] for d in rb)
+    if lbs != rbs:
+        raise ValueError(f"batch dims of `lhs` {lb} (sizes {lbs}) and `rhs` {rb} (sizes {rbs}) differ.")
+    return (lc, rc), (lb, rb)
+
+
+class _Static(NamedTuple):
+    dims: tuple
+    lhs_dtype: np.dtype
+    rhs_dtype: np.dtype
+    out_dtype: np.dtype
+    preferred: np.dtype | None
+    fwd_precision: lax.Precision | None
+    dlhs_precision: lax.Precision | None
+    drhs_precision: lax.Precision | None
+    mode: str
+    recipe: AbstractScalingRecipe
+    state_is_max: tuple[bool, ...]  # which state values arrive in the max-accumulating dtype
+
+
+def _free_dims(ndim, contracting, batch):
+    return tuple(d for d in range(ndim) if d not in contracting and d not in batch)
+
+
+def _gemm(st: _Static, a, a_scale, b, b_scale, dims, precision, out_dtype, ref_dtype):
+    """Scaled GEMM of two quantised operands. `direct`: FP8 dot with a float32 result,
+    then one multiply by the product of the scales. `qdq`: dequantise to `ref_dtype`,
+    then a dot in that dtype."""
+    if st.mode == "direct":
+        acc = lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+        return (acc * (a_scale * b_scale)).astype(out_dtype)
+    da = _formats.dequantize(a, a_scale, ref_dtype)
+    db = _formats.dequantize(b, b_scale, ref_dtype)
+    pref = jnp.float32 if ref_dtype == np.float32 else None
+    return lax.dot_general(da, db, dims, precision=precision, preferred_element_type=pref).astype(out_dtype)
+
+
+def _quantise_operand(recipe, x, scale, history, fp8_dtype):
+    amax = merged_amax(_formats.amax(x), scale)
+    used = recipe.scale_for_call(scale, history, amax, _formats.fp8_max(fp8_dtype))
+    return _formats.quantize(x, used, fp8_dtype), used, amax
+
+
+def _to_rep(value, as_max: bool):
+    return raw_to_max(value) if as_max else value
+
+
+def _compute_dtype(st: _Static):
+    return np.result_type(st.lhs_dtype, st.rhs_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _fp8_dot(st: _Static, lhs, rhs, l_scale, l_hist, r_scale, r_hist, g_scale, g_hist):
+    return _fp8_dot_fwd(st, lhs, rhs, l_scale, l_hist, r_scale, r_hist, g_scale, g_hist)[0]
+
+
+def _fp8_dot_fwd(st: _Static, lhs, rhs, l_scale, l_hist, r_scale, r_hist, g_scale, g_hist):
+    recipe = st.recipe
+    ls, lh, rs, rh, gs, gh = (as_f32(v) for v in (l_scale, l_hist, r_scale, r_hist, g_scale, g_hist))
+    ql, l_used, l_amax = _quantise_operand(recipe, lhs, ls, lh, recipe.fwd_dtype)
+    qr, r_used, r_amax = _quantise_operand(recipe, rhs, rs, rh, recipe.fwd_dtype)
+    out = _gemm(st, ql, l_used, qr, r_used, st.dims, st.fwd_precision, st.out_dtype, _compute_dtype(st))
+    return out, (ql, qr, l_amax, r_amax, (ls, lh, rs, rh, gs, gh))
+
+
+def _fp8_dot_bwd(st: _Static, residuals, g):
+    recipe = st.recipe
+    ql, qr, l_amax, r_amax, (ls, lh, rs, rh, gs, gh) = residuals
+    (lc, rc), (lb, rb) = st.dims
+    lhs_ndim, rhs_ndim = ql.ndim, qr.ndim
+    ref = _compute_dtype(st)
+
+    # Re-merge the forward amaxes: residuals can come back batched under vmap even
+    # where the state is not (merging is idempotent).
+    l_amax = merged_amax(l_amax, ls)
+    r_amax = merged_amax(r_amax, rs)
+    l_used = recipe.scale_for_call(ls, lh, l_amax, _formats.fp8_max(recipe.fwd_dtype))
+    r_used = recipe.scale_for_call(rs, rh, r_amax, _formats.fp8_max(recipe.fwd_dtype))
+    qg, g_used, g_amax = _quantise_operand(recipe, g, gs, gh, recipe.grad_dtype)
+
+    # Output layout of dot_general: (batch..., lhs free..., rhs free...).
+    nb = len(lb)
+    l_free = _free_dims(lhs_ndim, lc, lb)
+    r_free = _free_dims(rhs_ndim, rc, rb)
+    g_batch = tuple(range(nb))
+    g_lfree = tuple(range(nb, nb + len(l_free)))
+    g_rfree = tuple(range(nb + len(l_free), nb + len(l_free) + len(r_free)))
+
+    # d lhs = g . rhs over rhs's free dims -> (batch, lhs free, rhs's contracting dims in
+    # rhs axis order); rhs contracting dim rc[i] stands for lhs dim lc[i].
+    dl = _gemm(
+        st, qg, g_used, qr, r_used, ((g_rfree, r_free), (g_batch, rb)), st.dlhs_precision, st.lhs_dtype, ref
+    )
+    dl_layout = tuple(lb) + l_free + tuple(lc[rc.index(d)] for d in sorted(rc))
+    dlhs = jnp.transpose(dl, np.argsort(dl_layout))
+
+    # d rhs = lhs . g over lhs's free dims -> (batch, lhs's contracting dims in lhs axis
+    # order, rhs free); lhs contracting dim lc[i] stands for rhs dim rc[i].
+    dr = _gemm(
+        st, ql, l_used, qg, g_used, ((l_free, g_lfree), (lb, g_batch)), st.drhs_precision, st.rhs_dtype, ref
+    )
+    dr_layout = tuple(rb) + tuple(rc[lc.index(d)] for d in sorted(lc)) + r_free
+    drhs = jnp.transpose(dr, np.argsort(dr_layout))
+
+    new = []
+    for (scale, hist, used, amax) in ((ls, lh, l_used, l_amax), (rs, rh, r_used, r_amax), (gs, gh, g_used, g_amax)):
+        new.extend(recipe.next_state(used, hist, amax))
+    cts = tuple(_to_rep(v.astype(jnp.float32), m) for v, m in zip(new, st.state_is_max))
+    return (dlhs, drhs, *cts)
+
+
+_fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)

@@ -1,0 +1,48 @@
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike
+
+# The 8-bit floating-point formats fp8ax quantises to.
+FP8_DTYPES: tuple[np.dtype, ...] = tuple(
+    np.dtype(t)
+    for t in (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz)
+)
+
+
+def as_fp8_dtype(value, argname: str) -> np.dtype:
+    """Normalises an FP8 dtype argument, raising an error that names `argname`."""
+    try:
+        dtype = np.dtype(value)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype not in FP8_DTYPES:
+        names = ", ".join(f"jnp.{d.name}" for d in FP8_DTYPES)
+        raise TypeError(f"`{argname}` must be an 8-bit floating-point dtype ({names}), got {value!r}.")
+    return dtype
+
+
+def fp8_max(dtype: np.dtype) -> float:
+    """Largest finite value of an FP8 format (448 for E4M3FN, 57344 for E5M2)."""
+    return float(jnp.finfo(dtype).max)
+
+
+def quantize(x: ArrayLike, scale: ArrayLike, dtype: np.dtype) -> Array:
+    """`clip(x / scale, -max, max)` rounded to nearest-even in `dtype`.
+
+    Computed in float32 whatever `x`'s dtype, so the division is not rounded to bf16
+    first. Values beyond the format's range saturate to +-max instead of becoming inf;
+    NaN stays NaN.
+    """
+    bound = fp8_max(dtype)
+    scaled = jnp.asarray(x).astype(jnp.float32) / jnp.asarray(scale, jnp.float32)
+    return jnp.clip(scaled, -bound, bound).astype(dtype)
+
+
+def dequantize(q: ArrayLike, scale: ArrayLike, dtype) -> Array:
+    """`q * scale` in `dtype` (the cast-then-multiply pattern XLA matches for FP8 GEMMs)."""
+    return jnp.asarray(q).astype(dtype) * jnp.asarray(scale).astype(dtype)
+
+
+def amax(x: ArrayLike) -> Array:
+    """max |x| as float32 (NaN if any element is NaN)."""
+    return jnp.max(jnp.abs(jnp.asarray(x))).astype(jnp.float32)

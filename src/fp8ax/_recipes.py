@@ -1,0 +1,156 @@
+import abc
+from typing import Literal
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float
+
+from ._formats import as_fp8_dtype
+from ._state import ScalingState
+
+
+def _fwd_dtype(value):
+    return as_fp8_dtype(value, "fwd_dtype")
+
+
+def _grad_dtype(value):
+    return as_fp8_dtype(value, "grad_dtype")
+
+
+class AbstractScalingRecipe(eqx.Module):
+    """How an FP8 dot general chooses its scales and what state it keeps.
+
+    A recipe is configuration only (all of its fields are static). Concrete recipes are
+    final: to change one, wrap it rather than subclass it.
+    """
+
+    fwd_dtype: eqx.AbstractVar[np.dtype]
+    grad_dtype: eqx.AbstractVar[np.dtype]
+
+    @abc.abstractmethod
+    def init_state(self, batch_shape: tuple[int, ...] = ()) -> ScalingState:
+        """Fresh state for one operand (`batch_shape` for stacked layers)."""
+
+    @abc.abstractmethod
+    def scale_for_call(
+        self,
+        scale: Float[Array, ""],
+        amax_history: Float[Array, " history"],
+        amax: Float[Array, ""],
+        fp8_max: float,
+    ) -> Float[Array, ""]:
+        """The dequantisation scale one call uses, from the state before the call and the
+        call's own amax."""
+
+    @abc.abstractmethod
+    def next_state(
+        self,
+        scale_used: Float[Array, ""],
+        amax_history: Float[Array, " history"],
+        amax: Float[Array, ""],
+    ) -> tuple[Float[Array, ""], Float[Array, " history"]]:
+        """The state after one call. It must be monotone non-decreasing in `amax` for a
+        fixed old state: several uses of a layer are merged with an elementwise max."""
+
+
+class DelayedScaling(AbstractScalingRecipe):
+    """Per-tensor delayed scaling, with the semantics of TransformerEngine's `DelayedScaling`.
+
+    The scale a call uses comes from the amax history as it stood before the call:
+
+        amax  = max(history)        ("max")   or   history[0]   ("most_recent")
+        scale = amax / fp8_max * 2**margin
+
+    where `fp8_max` is the largest finite value of the operand's format (448 for E4M3,
+    57344 for E5M2). A zero or non-finite amax keeps the previous scale. The call's own
+    amax then goes to the front of the history (index 0), the rest shifts back by one and
+    the oldest entry drops. A call whose tensor is all zero or holds a NaN/inf observes
+    nothing: the state stays exactly as it was (the call itself still runs, and a NaN
+    propagates to its result as it would without FP8).
+
+    `scale` is the *dequantisation* scale: quantise as `x / scale`.
+    """
+
+    history_length: int = eqx.field(static=True, default=1024)
+    margin: int = eqx.field(static=True, default=0)
+    amax_compute_algo: Literal["max", "most_recent"] = eqx.field(static=True, default="max")
+    calibrate_first_call: bool = eqx.field(static=True, default=True)
+    fwd_dtype: np.dtype = eqx.field(static=True, default=jnp.float8_e4m3fn, converter=_fwd_dtype)
+    grad_dtype: np.dtype = eqx.field(static=True, default=jnp.float8_e5m2, converter=_grad_dtype)
+
+    def __init__(
+        self,
+        history_length: int = 1024,
+        margin: int = 0,
+        amax_compute_algo: Literal["max", "most_recent"] = "max",
+        calibrate_first_call: bool = True,
+        *,
+        fwd_dtype=jnp.float8_e4m3fn,
+        grad_dtype=jnp.float8_e5m2,
+    ):
+        """**Arguments:**
+
+        - `history_length`: number of past amaxes kept per tensor (>= 1).
+        - `margin`: extra headroom, in powers of two (>= 0): the scale is multiplied by
+          `2**margin`.
+        - `amax_compute_algo`: `"max"` (the maximum over the history) or `"most_recent"`
+          (the newest entry).
+        - `calibrate_first_call`: while the history is still empty (the first step), take
+          the amax of the tensor being quantised instead of keeping the initial scale of
+          1. Without it the first step clips values above the format maximum (448 for
+          E4M3) and flushes small gradients to zero. `False` reproduces Haliax's and
+          Flax's numerics step for step.
+        - `fwd_dtype`: FP8 format of the forward operands (default E4M3, `jnp.float8_e4m3fn`).
+          (Keyword only argument.)
+        - `grad_dtype`: FP8 format of the output gradient (default E5M2,
+          `jnp.float8_e5m2`). (Keyword only argument.)
+        """
+        self.history_length = history_length
+        self.margin = margin
+        self.amax_compute_algo = amax_compute_algo
+        self.calibrate_first_call = calibrate_first_call
+        self.fwd_dtype = fwd_dtype
+        self.grad_dtype = grad_dtype
+
+    def __check_init__(self):
+        if isinstance(self.history_length, bool) or not isinstance(self.history_length, int | np.integer):
+            raise TypeError(f"`history_length` must be an int >= 1, got {self.history_length!r}.")
+        if self.history_length < 1:
+            raise ValueError(f"`history_length` must be >= 1, got {self.history_length}.")
+        if isinstance(self.margin, bool) or not isinstance(self.margin, int | np.integer):
+            raise TypeError(f"`margin` must be an int >= 0, got {self.margin!r}.")
+        if self.margin < 0:
+            raise ValueError(f"`margin` must be >= 0, got {self.margin}.")
+        if self.amax_compute_algo not in ("max", "most_recent"):
+            raise ValueError(
+                f"`amax_compute_algo` must be 'max' or 'most_recent', got {self.amax_compute_algo!r}."
+            )
+        if not isinstance(self.calibrate_first_call, bool):
+            raise TypeError(f"`calibrate_first_call` must be a bool, got {self.calibrate_first_call!r}.")
+
+    def init_state(self, batch_shape: tuple[int, ...] = ()) -> ScalingState:
+        return ScalingState.init(self.history_length, batch_shape)
+
+    def scale_for_call(self, scale, amax_history, amax, fp8_max):
+        if self.amax_compute_algo == "max":
+            past = jnp.max(amax_history, axis=-1)
+        else:
+            past = amax_history[..., 0]
+        if self.calibrate_first_call:
+            past = jnp.where(jnp.all(amax_history == 0, axis=-1), amax, past)
+        # Same operations, in the same order, as TransformerEngine's/Flax's `compute_scale`,
+        # so `calibrate_first_call=False` matches them bit for bit.
+        inv = (jnp.float32(fp8_max) / past) / jnp.float32(2.0**self.margin)
+        new = jnp.float32(1.0) / inv
+        ok = jnp.isfinite(past) & (past > 0) & jnp.isfinite(new) & (new > 0)
+        return jnp.where(ok, new, scale)
+
+    def next_state(self, scale_used, amax_history, amax):
+        # A call that observed nothing usable (an all-zero or non-finite tensor) reports
+        # scale 0: "no observation". If no use of the layer observed anything,
+        # `apply_updates` keeps the old state untouched; otherwise the max-merge ignores it.
+        valid = jnp.isfinite(amax) & (amax > 0)
+        recorded = jnp.where(valid, amax, jnp.float32(0.0))
+        history = jnp.concatenate([recorded[..., None], amax_history[..., :-1]], axis=-1)
+        return jnp.where(valid, scale_used, jnp.float32(0.0)), history

@@ -1,0 +1,113 @@
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+
+from ._maxgrad import as_f32, is_max, to_f32, to_max
+
+
+@jtu.register_pytree_with_keys_class
+class ScalingState:
+    """Delayed-scaling state of one operand: a scale and an amax history.
+
+    - `scale`: float32, shape `()` (or `(*batch,)` for stacked layers). The
+      *dequantisation* scale: a tensor `x` is quantised as `x / scale` and recovered as
+      `q * scale` (the Flax/Haliax convention; TransformerEngine's `scale_inv`).
+    - `amax_history`: float32, shape `(history_length,)` (or `(*batch, history_length)`),
+      the newest amax at index 0. An entry of 0 means "nothing recorded".
+
+    Both are ordinary float32 pytree leaves: `eqx.filter_grad` differentiates them,
+    `eqx.tree_serialise_leaves` saves them, and their "gradient" is the new state (see
+    [`fp8ax.apply_updates`][]).
+
+    !!! Note
+
+        Inside a traced function (`jax.grad`, `jax.jit`, ...) this node holds its values
+        in a float32 dtype whose cotangents accumulate with `max` instead of `+`. That is
+        how a layer used several times in one step (tied weights, `lax.scan`, `vmap`)
+        gets the state of one merged observation instead of a sum. The attributes and the
+        leaves are always float32. See the "How the FP8 state works" page of the docs.
+    """
+
+    __slots__ = ("_scale", "_amax_history")
+
+    def __init__(self, scale: Any, amax_history: Any):
+        object.__setattr__(self, "_scale", _enter(scale))
+        object.__setattr__(self, "_amax_history", _enter(amax_history))
+
+    @classmethod
+    def init(cls, history_length: int, batch_shape: tuple[int, ...] = ()) -> "ScalingState":
+        """Fresh state: scale 1, empty (all-zero) history."""
+        return cls(
+            jnp.ones(batch_shape, jnp.float32),
+            jnp.zeros((*batch_shape, history_length), jnp.float32),
+        )
+
+    @property
+    def scale(self):
+        return _leave(self._scale)
+
+    @property
+    def amax_history(self):
+        return _leave(self._amax_history)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("ScalingState is immutable; build a new one instead.")
+
+    def __repr__(self) -> str:
+        return f"ScalingState(scale={_short(self._scale)}, amax_history={_short(self._amax_history)})"
+
+    def tree_flatten_with_keys(self):
+        return (
+            (jtu.GetAttrKey("scale"), self.scale),
+            (jtu.GetAttrKey("amax_history"), self.amax_history),
+        ), None
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        del aux
+        return cls(*children)
+
+    def _raw(self):
+        """The stored values, possibly in the max-accumulating dtype (for fp8ax's ops)."""
+        return self._scale, self._amax_history
+
+    def _overwritten_by(self, new: "ScalingState") -> "ScalingState":
+        """This state, replaced by `new` wherever `new` holds a real state.
+
+        A layer that a step did not use receives a zero cotangent. A real new scale is
+        always > 0, so `new.scale > 0` tells the two apart, per stacked layer.
+        """
+        old_scale, old_hist = as_f32(self._scale), as_f32(self._amax_history)
+        new_scale, new_hist = as_f32(new._scale), as_f32(new._amax_history)
+        used = new_scale > 0
+        return ScalingState(
+            jnp.where(used, new_scale, old_scale),
+            jnp.where(used[..., None], new_hist, old_hist),
+        )
+
+
+def _enter(x):
+    # float32 tracers (the model being rebuilt inside jax.grad / jit / vmap) switch to the
+    # max-accumulating representation here, once, before any use can fan them out.
+    if isinstance(x, jax.core.Tracer) and x.dtype == np.float32:
+        return to_max(x)
+    return x
+
+
+def _leave(x):
+    return to_f32(x) if is_max(x) else x
+
+
+def _short(x) -> str:
+    dtype = getattr(x, "dtype", None)
+    shape = getattr(x, "shape", None)
+    if dtype is None or shape is None:
+        return repr(x)
+    if is_max(x):
+        dtype = "f32"
+    elif dtype == np.float32:
+        dtype = "f32"
+    return f"{dtype}{list(shape)}"

@@ -1,0 +1,226 @@
+import dataclasses
+import math
+from typing import Any, Literal, TypeVar
+
+import equinox as eqx
+import haliax as hax
+import haliax.nn as hnn
+import haliax.quantization as haxq
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+from jaxtyping import Array, PRNGKeyArray
+
+from ._config import Fp8Config
+from ._dot_general import Fp8DotGeneral
+
+T = TypeVar("T")
+
+
+class Fp8Linear(eqx.Module):
+    """`equinox.nn.Linear` with its matmul done by an [`fp8ax.Fp8DotGeneral`][].
+
+    Keeps `weight` and `bias` under the same names and in the same layout as
+    `equinox.nn.Linear` (`weight` is `(out_features, in_features)`), so the parameters
+    and their paths do not change when a model is converted. Built by
+    [`fp8ax.fp8_linear_layers`][]; use `Fp8Linear.from_linear` to build one by hand.
+    """
+
+    weight: Array
+    bias: Array | None
+    dot_general: Fp8DotGeneral
+    in_features: int | Literal["scalar"] = eqx.field(static=True)
+    out_features: int | Literal["scalar"] = eqx.field(static=True)
+    use_bias: bool = eqx.field(static=True)
+
+    @classmethod
+    def from_linear(cls, linear: eqx.nn.Linear, config: Fp8Config | None = None) -> "Fp8Linear":
+        """Wraps an `equinox.nn.Linear` (its arrays are shared, not copied).
+
+        **Arguments:**
+
+        - `linear`: the layer to convert. If its `weight` has leading dimensions (an
+          ensemble built with `eqx.filter_vmap`), each member gets its own FP8 state.
+        - `config`: an [`fp8ax.Fp8Config`][]; default `Fp8Config()`.
+        """
+        if not isinstance(linear, eqx.nn.Linear):
+            raise TypeError(f"`linear` must be an `equinox.nn.Linear`, got {type(linear).__name__}.")
+        config = Fp8Config() if config is None else config
+        batch_shape = tuple(linear.weight.shape[:-2])
+        return cls(
+            weight=linear.weight,
+            bias=linear.bias,
+            dot_general=config.make_dot_general(batch_shape),
+            in_features=linear.in_features,
+            out_features=linear.out_features,
+            use_bias=linear.use_bias,
+        )
+
+    @jax.named_scope("fp8ax.Fp8Linear")
+    def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
+        """**Arguments:**
+
+        - `x`: the input, shape `(in_features,)` (or `()` if `in_features="scalar"`).
+          Unlike `equinox.nn.Linear`, leading batch dimensions are allowed too:
+          `(..., in_features)` runs one batched FP8 GEMM instead of one per example.
+        - `key`: ignored; there for compatibility with the rest of Equinox. (Keyword only
+          argument.)
+
+        **Returns:**
+
+        The output, shape `(out_features,)` (or `()` if `out_features="scalar"`), with
+        the same leading dimensions as `x`.
+        """
+        del key
+        if self.in_features == "scalar":
+            if jnp.shape(x) != ():
+                raise ValueError(f"`x` must be a scalar for in_features='scalar', got shape {jnp.shape(x)}.")
+            x = jnp.broadcast_to(x, (1,))
+        elif jnp.ndim(x) < 1 or jnp.shape(x)[-1] != self.in_features:
+            raise ValueError(f"`x` must have shape (..., {self.in_features}), got {jnp.shape(x)}.")
+        x = jnp.asarray(x)
+        y = self.dot_general(x, self.weight, (((x.ndim - 1,), (1,)), ((), ())))
+        if self.bias is not None:
+            with jax.numpy_dtype_promotion("standard"):
+                y = y + self.bias
+        if self.out_features == "scalar":
+            y = y[..., 0]
+        return y
+
+    def to_linear(self) -> eqx.nn.Linear:
+        """The plain `equinox.nn.Linear` with the same weight and bias."""
+        linear = object.__new__(eqx.nn.Linear)
+        for f in dataclasses.fields(eqx.nn.Linear):
+            if hasattr(self, f.name):
+                object.__setattr__(linear, f.name, getattr(self, f.name))
+        return linear
+
+
+def _is_linear(x: Any) -> bool:
+    return isinstance(x, hnn.Linear | eqx.nn.Linear | Fp8Linear)
+
+
+def _is_fp8(layer: Any) -> bool:
+    if isinstance(layer, Fp8Linear):
+        return True
+    return isinstance(layer, hnn.Linear) and not isinstance(layer.dot_general, haxq.DefaultDotGeneralOp)
+
+
+def _axis_size(spec) -> int:
+    if isinstance(spec, hax.Axis):
+        return spec.size
+    return math.prod(a.size for a in spec)
+
+
+def _axis_names(spec) -> set[str]:
+    if isinstance(spec, hax.Axis):
+        return {spec.name}
+    return {a.name for a in spec}
+
+
+def _features(layer) -> tuple[int, int]:
+    if isinstance(layer, hnn.Linear):
+        return _axis_size(layer.In), _axis_size(layer.Out)
+    fin = 1 if layer.in_features == "scalar" else layer.in_features
+    fout = 1 if layer.out_features == "scalar" else layer.out_features
+    return fin, fout
+
+
+def _haliax_batch_shape(layer: hnn.Linear) -> tuple[int, ...]:
+    # Axes of the weight that are neither In nor Out: the Block axes added by
+    # `haliax.nn.Stacked` (or an ensemble axis): one FP8 state per stacked layer.
+    own = _axis_names(layer.In) | _axis_names(layer.Out)
+    return tuple(ax.size for ax in layer.weight.axes if ax.name not in own)
+
+
+def path_str(path) -> str:
+    """Dotted form of a JAX key path: `blocks.stacked.mlp.up_proj`, `layers.0`."""
+    parts = []
+    for k in path:
+        if isinstance(k, jtu.GetAttrKey):
+            parts.append(k.name)
+        elif isinstance(k, jtu.SequenceKey):
+            parts.append(str(k.idx))
+        elif isinstance(k, jtu.DictKey):
+            parts.append(str(k.key))
+        elif isinstance(k, jtu.FlattenedIndexKey):
+            parts.append(str(k.key))
+        else:
+            parts.append(str(k))
+    return ".".join(parts)
+
+
+def fp8_linear_layers(module: T, config: Fp8Config | None = None) -> T:
+    """Replaces the matmuls in linear layers with [`fp8ax.Fp8DotGeneral`][].
+
+    Converts `haliax.nn.Linear` (its `dot_general` is replaced), the layers inside
+    `haliax.nn.Stacked` and `haliax.nn.BlockSeq` (each stacked layer gets its own state:
+    the state arrays carry the `Block` axis as a leading dimension) and
+    `equinox.nn.Linear`, also inside `equinox.nn.MLP` (replaced by an
+    [`fp8ax.Fp8Linear`][] that keeps its `weight` and `bias`).
+
+    Layers that are already FP8 are left as they are, state included, so converting twice
+    changes nothing. A `haliax.nn.Linear` that already has a custom `dot_general` (Haliax's
+    own FP8 or int8 ops) is left alone as well.
+
+    **Arguments:**
+
+    - `module`: any PyTree holding linear layers.
+    - `config`: an [`fp8ax.Fp8Config`][]; default `Fp8Config()` (every linear layer).
+
+    **Returns:**
+
+    A new tree; `module` itself is not modified.
+
+    **Raises:**
+
+    `ValueError` if `module` holds no linear layer, or if `config.targets` is given and
+    selects none of them (the message lists the paths that exist).
+
+    !!! Example
+
+        ```python
+        model = fp8ax.fp8_linear_layers(model)
+        model = fp8ax.fp8_linear_layers(model, fp8ax.Fp8Config(targets=["up_proj"]))
+        ```
+    """
+    if config is None:
+        config = Fp8Config()
+    if not isinstance(config, Fp8Config):
+        raise TypeError(f"`config` must be an `fp8ax.Fp8Config`, got {type(config).__name__}.")
+
+    seen: list[str] = []
+    selected = 0
+
+    def convert(path, node):
+        nonlocal selected
+        if not _is_linear(node):
+            return node
+        p = path_str(path)
+        seen.append(p)
+        if not config.matches(p, node):
+            return node
+        selected += 1
+        if _is_fp8(node):
+            return node
+        fin, fout = _features(node)
+        if min(fin, fout) < config.min_features:
+            return node
+        if isinstance(node, eqx.nn.Linear):
+            return Fp8Linear.from_linear(node, config)
+        return dataclasses.replace(node, dot_general=config.make_dot_general(_haliax_batch_shape(node)))
+
+    out = jtu.tree_map_with_path(convert, module, is_leaf=_is_linear)
+    if not seen:
+        raise ValueError(
+            "`fp8_linear_layers` found no linear layer (`haliax.nn.Linear` or `equinox.nn.Linear`) in `module` "
+            f"(a {type(module).__name__})."
+        )
+    if selected == 0:
+        shown = ", ".join(repr(p) for p in seen[:8]) + (", ..." if len(seen) > 8 else "")
+        raise ValueError(
+            f"`config.targets` ({config.targets!r}) matches none of the {len(seen)} linear layers. "
+            f"Their paths: {shown}. A list entry matches a path that equals it or ends with '.' + entry; a "
+            "string must re.fullmatch the whole path."
+        )
+    return out

@@ -1,0 +1,117 @@
+from typing import Any, TypeVar
+
+import equinox as eqx
+import haliax.quantization as _haxq
+import jax
+import jax.tree_util as jtu
+
+T = TypeVar("T")
+
+
+class OverwriteWithGradient(_haxq.OverwriteWithGradient):
+    """Marker base class: the "gradient" of this module's leaves is their new value.
+
+    Subclasses `haliax.quantization.OverwriteWithGradient`, so training code written
+    against Haliax's helpers (Levanter's trainer, for one) recognises fp8ax modules too,
+    and fp8ax's helpers recognise Haliax's.
+    """
+
+
+def _is_owg(x: Any) -> bool:
+    # Haliax's base class: covers fp8ax modules and Haliax's own FP8 ops.
+    return isinstance(x, _haxq.OverwriteWithGradient)
+
+
+def partition_for_grad_overwrite(tree: T) -> tuple[T, T]:
+    """Splits a gradient tree (or a model) into FP8 state and everything else.
+
+    **Arguments:**
+
+    - `tree`: the output of `eqx.filter_grad` on a model converted by
+      [`fp8ax.fp8_linear_layers`][], or the model itself.
+
+    **Returns:**
+
+    `(overwrite, rest)`, two trees of the same structure as `tree`: `overwrite` holds the
+    [`fp8ax.OverwriteWithGradient`][] modules (the new FP8 state) and `None` elsewhere;
+    `rest` holds everything else (the ordinary gradients) and `None` in their place.
+    Give `rest` to the optimiser and `overwrite` to [`fp8ax.apply_updates`][].
+
+    !!! Example
+
+        ```python
+        grads = eqx.filter_grad(loss_fn)(model, batch)
+        overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)
+        updates, opt_state = opt.update(grads, opt_state, params=model)
+        model = fp8ax.apply_updates(model, updates, overwrite)
+        ```
+    """
+    return eqx.partition(tree, _is_owg, is_leaf=_is_owg)
+
+
+def apply_updates(model: T, updates: T, overwrite: T) -> T:
+    """Applies optimiser updates to the parameters and writes the new FP8 state.
+
+    A `jax.tree_util.tree_map`-broadcasted version of
+
+    ```python
+    if overwrite is not None:   # an FP8 module: its "gradient" is its new state
+        return old_state_where_unused(model, overwrite)
+    if update is None:
+        return model
+    return (model + update).astype(model.dtype)
+    ```
+
+    An FP8 layer that the step did not use gets a zero "gradient"; its state is kept as it
+    was instead of being overwritten with zeros. Parameters keep their dtype (a bf16
+    parameter plus a float32 update stays bf16).
+
+    **Arguments:**
+
+    - `model`: the model being trained.
+    - `updates`: the optimiser's updates for the ordinary parameters (the second output of
+      [`fp8ax.partition_for_grad_overwrite`][] after `opt.update`).
+    - `overwrite`: the first output of [`fp8ax.partition_for_grad_overwrite`][].
+
+    **Returns:**
+
+    The updated model.
+
+    **Raises:**
+
+    `ValueError` if `overwrite` holds values for ordinary parameters (the gradient tree was
+    passed as `overwrite`, which would replace weights by their gradients), or if
+    `updates` holds values for FP8 state (the gradients went to the optimiser without
+    being partitioned, which would treat the new state as a gradient).
+    """
+
+    def _apply(path, m, u, o):
+        if _is_owg(m):
+            if u is not None:
+                raise ValueError(
+                    f"`updates` holds values for the FP8 state at `{jtu.keystr(path)}`: the gradients reached the "
+                    "optimiser without being partitioned. Call "
+                    "`overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)` and give only `grads` to the "
+                    "optimiser."
+                )
+            if o is None:
+                return m
+            merge = getattr(m, "_overwritten_by", None)
+            return o if merge is None else merge(o)
+        if o is not None:
+            raise ValueError(
+                f"`overwrite` holds a value for the ordinary parameter at `{jtu.keystr(path)}`. `overwrite` must be "
+                "the first output of `fp8ax.partition_for_grad_overwrite(grads)`; passing the gradients there would "
+                "replace the weights by their gradients."
+            )
+        if u is None or m is None:
+            return m
+        if not eqx.is_array(m):
+            return m
+        with jax.numpy_dtype_promotion("standard"):
+            return (m + u).astype(m.dtype)
+
+    def is_leaf(x):
+        return x is None or _is_owg(x)
+
+    return jtu.tree_map_with_path(_apply, model, updates, overwrite, is_leaf=is_leaf)
