@@ -29,12 +29,14 @@ def fp8_max(dtype: np.dtype) -> float:
 def quantize(x: ArrayLike, scale: ArrayLike, dtype: np.dtype) -> Array:
     """`clip(x / scale, -max, max)` rounded to nearest-even in `dtype`.
 
-    Computed in float32 whatever `x`'s dtype, so the division is not rounded to bf16
-    first. Values beyond the format's range saturate to +-max instead of becoming inf;
-    NaN stays NaN.
+    The division is computed as `x * (1 / scale)`, both in float32 whatever `x`'s dtype:
+    XLA rewrites a division by a broadcast scalar into exactly this, so we write it out to
+    make the result well defined (and testable bit for bit). Values beyond the format's
+    range saturate to +-max instead of becoming inf; NaN stays NaN.
     """
     bound = fp8_max(dtype)
-    scaled = jnp.asarray(x).astype(jnp.float32) / jnp.asarray(scale, jnp.float32)
+    inv = jnp.float32(1.0) / jnp.asarray(scale, jnp.float32)
+    scaled = jnp.asarray(x).astype(jnp.float32) * inv
     return jnp.clip(scaled, -bound, bound).astype(dtype)
 
 

@@ -1,0 +1,571 @@
+"""Overhead of FP8 training with fp8ax vs Haliax's own FP8, on a Haliax MLP.
+
+Measures, for a model `Embed -> Mlp -> Embed` built from two `haliax.nn.Linear` layers
+(GELU in between), trained with mean squared error:
+
+- the jitted train-step time (median over interleaved rounds) of three variants:
+    * ``plain``   -- no FP8;
+    * ``fp8ax``   -- ``fp8ax.fp8_linear_layers(model)``;
+    * ``haliax``  -- ``haliax.quantization.quantize_linear_layers(model, QuantizationConfig(fp8=True))``;
+- the compile time of each step (``eqx.filter_jit(step).lower(...).compile()``, median of
+  a few compiles);
+- the StableHLO op count of each step (``.lower(...).as_text()``) and what each
+  converted layer adds to it relative to the plain step;
+
+for float32 and for bfloat16 parameters and inputs. Prints a table and writes JSON.
+
+On the CPU backend FP8 is emulated (XLA upcasts the FP8 operands before the dot), so
+CPU step-time ratios measure the overhead of scaling/casting/bookkeeping, not GPU FP8
+GEMM speed.
+
+Run::
+
+    python bench/overhead.py                 # full default run (spec sizes)
+    python bench/overhead.py --quick         # tiny smoke config
+    python bench/overhead.py --dtypes float32 --rounds 30 --out /tmp/x.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import equinox as eqx
+import haliax as hax
+import haliax.nn as hnn
+import haliax.quantization as haxq
+import jax
+import jax.numpy as jnp
+import optax
+
+import fp8ax
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE / "results" / "overhead_cpu.json"
+QUICK_OUT = HERE / "results" / "overhead_cpu_quick.json"
+
+VARIANTS = ("plain", "fp8ax", "haliax")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+# --------------------------------------------------------------------------------------
+# Model and data
+
+
+class Mlp(eqx.Module):
+    """Embed -> Mlp -> Embed, two `haliax.nn.Linear` layers with a GELU between them."""
+
+    up: hnn.Linear
+    down: hnn.Linear
+
+    @staticmethod
+    def init(Embed: hax.Axis, Hidden: hax.Axis, *, key) -> "Mlp":
+        k_up, k_down = jax.random.split(key)
+        return Mlp(
+            up=hnn.Linear.init(In=Embed, Out=Hidden, key=k_up),
+            down=hnn.Linear.init(In=Hidden, Out=Embed, key=k_down),
+        )
+
+    def __call__(self, x: hax.NamedArray) -> hax.NamedArray:
+        return self.down(hnn.gelu(self.up(x)))
+
+
+def loss_fn(model: Mlp, x: hax.NamedArray, y: hax.NamedArray) -> jax.Array:
+    err = (model(x) - y).astype(jnp.float32)
+    return hax.mean(err * err).scalar()
+
+
+def make_optimizer(name: str, lr: float) -> optax.GradientTransformation:
+    if name == "sgd":
+        return optax.sgd(lr)
+    if name == "adam":
+        return optax.adam(lr)
+    raise ValueError(f"unknown optimizer {name!r}")
+
+
+# --------------------------------------------------------------------------------------
+# Train steps, one per variant. Same structure; only the partition/apply helpers differ.
+
+
+def make_step(variant: str, opt: optax.GradientTransformation) -> Callable:
+    if variant == "haliax":
+        partition, apply = haxq.partition_for_grad_overwrite, haxq.apply_updates
+    else:
+        # For `plain` there is no FP8 state: the partition returns an all-None
+        # `overwrite` and `apply_updates` is `param + update`.
+        partition, apply = fp8ax.partition_for_grad_overwrite, fp8ax.apply_updates
+
+    def step(model, opt_state, x, y):
+        grads = eqx.filter_grad(loss_fn)(model, x, y)
+        overwrite, grads = partition(grads)
+        updates, opt_state = opt.update(grads, opt_state, params=model)
+        model = apply(model, updates, overwrite)
+        return model, opt_state
+
+    return eqx.filter_jit(step)
+
+
+def opt_params(model, variant: str):
+    """The trainable part of `model` the optimiser sees (FP8 state removed)."""
+    partition = haxq.partition_for_grad_overwrite if variant == "haliax" else fp8ax.partition_for_grad_overwrite
+    _, params = partition(model)
+    return eqx.filter(params, eqx.is_inexact_array)
+
+
+def build_model(variant: str, base: Mlp, dtype) -> Mlp:
+    if variant == "plain":
+        return fp8ax.cast_floating(base, dtype)
+    if variant == "fp8ax":
+        return fp8ax.cast_floating(fp8ax.fp8_linear_layers(base), dtype)
+    if variant == "haliax":
+        # Cast first: Haliax's Fp8DotGeneralOp state must stay float32, and a blanket
+        # cast of the quantised model would cast it too.
+        cast = fp8ax.cast_floating(base, dtype)
+        return haxq.quantize_linear_layers(cast, haxq.QuantizationConfig(fp8=True))
+    raise ValueError(variant)
+
+
+def count_fp8_layers(model) -> int:
+    leaves = jax.tree_util.tree_leaves(
+        model, is_leaf=lambda x: isinstance(x, fp8ax.Fp8DotGeneral | haxq.Fp8DotGeneralOp)
+    )
+    return sum(isinstance(x, fp8ax.Fp8DotGeneral | haxq.Fp8DotGeneralOp) for x in leaves)
+
+
+def fp8_state_dtypes(model) -> list[str]:
+    """dtypes of the FP8 state leaves (checks that the bf16 cast left them float32)."""
+    out = set()
+    for node in jax.tree_util.tree_leaves(
+        model, is_leaf=lambda x: isinstance(x, fp8ax.Fp8DotGeneral | haxq.Fp8DotGeneralOp)
+    ):
+        if isinstance(node, fp8ax.Fp8DotGeneral | haxq.Fp8DotGeneralOp):
+            out.update(str(a.dtype) for a in jax.tree_util.tree_leaves(node) if eqx.is_array(a))
+    return sorted(out)
+
+
+# --------------------------------------------------------------------------------------
+# StableHLO op counting
+
+# One MLIR operation per line in `Lowered.as_text()`: `%r = stablehlo.add ...`,
+# `%r:2 = "stablehlo.reduce"(...)`, `stablehlo.return ...`, `%r = call @f(...)`, `return ...`.
+_OP_RE = re.compile(r'^\s*(?:%[^=]*=\s*)?"?([a-z_]+(?:\.[a-z_0-9]+)+|call|return)\b')
+_FUNC_RE = re.compile(r"^\s*func\.func (?:public |private )?@([\w.$-]+)\(")
+_CALL_RE = re.compile(r"\bcall @([\w.$-]+)\(")
+
+
+def _split_funcs(text: str) -> dict[str, list[str]]:
+    """Body lines of each `func.func` in the module, by name."""
+    funcs: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        m = _FUNC_RE.match(line)
+        if m:
+            current = m.group(1)
+            funcs[current] = []
+            continue
+        if current is not None:
+            if line.rstrip() == "  }":  # end of a top-level function
+                current = None
+            else:
+                funcs[current].append(line)
+    return funcs
+
+
+def _ops_of(lines: list[str]) -> collections.Counter:
+    c = collections.Counter()
+    for line in lines:
+        m = _OP_RE.match(line)
+        if m:
+            c[m.group(1)] += 1
+    return c
+
+
+def count_ops(text: str) -> dict[str, Any]:
+    """Counts the operations of a lowered module (`Lowered.as_text()`), by op name.
+
+    - `textual`: every operation line as the text has it, in all functions. A
+      `stablehlo.*` op with or without a result counts (`stablehlo.return` of a reduce
+      body included); so do `call` and `return`. A private function (`jnp.where`,
+      `jnp.clip` are lowered as `func.func private @_where`/`@clip`) is counted once,
+      however many `call`s there are to it.
+    - `inlined`: the ops of `@main` with every `call @f` replaced by the ops of `f`
+      (recursively): what the module would hold if every call were inlined. `call` and
+      `return` themselves are not counted there.
+    """
+    funcs = _split_funcs(text)
+    textual = _ops_of(text.splitlines())
+    memo: dict[str, collections.Counter] = {}
+
+    def inlined(name: str) -> collections.Counter:
+        if name in memo:
+            return memo[name]
+        c = collections.Counter()
+        for line in funcs.get(name, []):
+            m = _OP_RE.match(line)
+            if not m or m.group(1) in ("return", "func.return"):
+                continue
+            if m.group(1) == "call":
+                c.update(inlined(_CALL_RE.search(line).group(1)))
+            else:
+                c[m.group(1)] += 1
+        memo[name] = c
+        return c
+
+    main = "main" if "main" in funcs else next(iter(funcs), None)
+    return {
+        "textual": textual,
+        "inlined": inlined(main) if main else collections.Counter(),
+        "calls": textual.get("call", 0),
+        "private_funcs": sum(1 for line in text.splitlines() if line.lstrip().startswith("func.func private")),
+    }
+
+
+def stablehlo_total(c: collections.Counter) -> int:
+    return sum(v for k, v in c.items() if k.startswith("stablehlo."))
+
+
+# An HLO instruction line of `Compiled.as_text()`: `  %name = f32[...] op(...)`.
+_HLO_INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+ = ")
+
+
+def count_hlo(compiled_text: str) -> dict[str, int]:
+    """Instructions of the optimised (post-fusion) HLO module.
+
+    `total`: in all computations (fusion bodies included); `entry`: in the ENTRY
+    computation only (roughly the kernels/thunks that run, plus parameters and tuples).
+    """
+    total = entry = 0
+    in_entry = False
+    for line in compiled_text.splitlines():
+        if line.startswith("ENTRY "):
+            in_entry = True
+            continue
+        if in_entry and line.startswith("}"):
+            in_entry = False
+        if _HLO_INSTR_RE.match(line):
+            total += 1
+            entry += in_entry
+    return {"total": total, "entry": entry}
+
+
+# --------------------------------------------------------------------------------------
+# Benchmark
+
+
+def machine_info() -> dict[str, Any]:
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(HERE), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except Exception:
+        commit = None
+    cpu = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    import haliax
+    import equinox
+
+    return {
+        "devices": [str(d) for d in jax.devices()],
+        "backend": jax.default_backend(),
+        "jax_version": jax.__version__,
+        "jaxlib_version": getattr(jax.lib, "__version__", None) or _jaxlib_version(),
+        "equinox_version": equinox.__version__,
+        "haliax_version": getattr(haliax, "__version__", None) or _dist_version("haliax"),
+        "optax_version": optax.__version__,
+        "fp8ax_version": fp8ax.__version__,
+        "fp8ax_git_commit": commit,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "cpu_model": cpu,
+        "cpu_count": os.cpu_count(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _dist_version(name: str):
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _jaxlib_version():
+    return _dist_version("jaxlib")
+
+
+def run_dtype(args, dtype_name: str, log) -> dict[str, Any]:
+    dtype = DTYPES[dtype_name]
+    Batch = hax.Axis("batch", args.batch)
+    Embed = hax.Axis("embed", args.embed)
+    Hidden = hax.Axis("mlp", args.hidden)
+    k_model, k_x, k_y = jax.random.split(jax.random.PRNGKey(args.seed), 3)
+    base = Mlp.init(Embed, Hidden, key=k_model)
+    x = hax.random.normal(k_x, (Batch, Embed)).astype(dtype)
+    y = hax.random.normal(k_y, (Batch, Embed)).astype(dtype)
+    opt = make_optimizer(args.optimizer, args.lr)
+
+    variants = [v for v in VARIANTS if v in args.variants]
+    states, steps, info = {}, {}, {}
+    for v in variants:
+        model = build_model(v, base, dtype)
+        opt_state = opt.init(opt_params(model, v))
+        states[v] = (model, opt_state)
+        steps[v] = make_step(v, opt)
+        info[v] = {"fp8_layers": count_fp8_layers(model), "fp8_state_dtypes": fp8_state_dtypes(model)}
+
+    # ---- lowering, op counts and compile time (interleaved, median of compile_reps) ----
+    lower_s = {v: [] for v in variants}
+    compile_s = {v: [] for v in variants}
+    for rep in range(args.compile_reps):
+        for v in variants:
+            model, opt_state = states[v]
+            t0 = time.perf_counter()
+            lowered = steps[v].lower(model, opt_state, x, y)
+            t1 = time.perf_counter()
+            compiled = lowered.compile()
+            t2 = time.perf_counter()
+            lower_s[v].append(t1 - t0)
+            compile_s[v].append(t2 - t1)
+            if rep == 0:
+                text = lowered.as_text()
+                ops = count_ops(text)
+                hlo = count_hlo(compiled.compiled.as_text())
+                info[v].update(
+                    stablehlo_ops=stablehlo_total(ops["textual"]),
+                    stablehlo_ops_inlined=stablehlo_total(ops["inlined"]),
+                    calls=ops["calls"],
+                    private_funcs=ops["private_funcs"],
+                    hlo_instructions_total=hlo["total"],
+                    hlo_instructions_entry=hlo["entry"],
+                    op_counts=dict(ops["textual"].most_common()),
+                    op_counts_inlined=dict(ops["inlined"].most_common()),
+                )
+                if args.dump_dir:
+                    d = Path(args.dump_dir)
+                    d.mkdir(parents=True, exist_ok=True)
+                    (d / f"{v}_{dtype_name}.stablehlo.mlir").write_text(text)
+                    (d / f"{v}_{dtype_name}.optimized.hlo").write_text(compiled.compiled.as_text())
+    for v in variants:
+        info[v]["lower_s_median"] = statistics.median(lower_s[v])
+        info[v]["compile_s_median"] = statistics.median(compile_s[v])
+        info[v]["compile_s_all"] = compile_s[v]
+        info[v]["lower_s_all"] = lower_s[v]
+
+    # ---- warm-up (first call compiles through the jit cache) ----
+    for v in variants:
+        for _ in range(args.warmup):
+            states[v] = jax.block_until_ready(steps[v](*states[v], x, y))
+
+    # ---- timed rounds, interleaved; the order rotates each round ----
+    times = {v: [] for v in variants}
+    t_start = time.perf_counter()
+    for r in range(args.rounds):
+        order = variants[r % len(variants):] + variants[: r % len(variants)]
+        for v in order:
+            t0 = time.perf_counter()
+            states[v] = jax.block_until_ready(steps[v](*states[v], x, y))
+            times[v].append(time.perf_counter() - t0)
+    rounds_wall = time.perf_counter() - t_start
+
+    for v in variants:
+        info[v]["step_s_median"] = statistics.median(times[v])
+        info[v]["step_s_min"] = min(times[v])
+        info[v]["step_s_all"] = times[v]
+        loss = loss_fn(states[v][0], x, y)
+        info[v]["final_loss"] = float(loss)
+
+    # ---- ratios vs plain ----
+    if "plain" in info:
+        p = info["plain"]
+        for v in variants:
+            if v == "plain":
+                continue
+            n = max(info[v]["fp8_layers"], 1)
+            info[v]["vs_plain"] = {
+                "step_ratio": info[v]["step_s_median"] / p["step_s_median"],
+                "compile_ratio": info[v]["compile_s_median"] / p["compile_s_median"],
+                "stablehlo_ops_added_per_layer": (info[v]["stablehlo_ops"] - p["stablehlo_ops"]) / n,
+                "stablehlo_ops_inlined_added_per_layer": (
+                    info[v]["stablehlo_ops_inlined"] - p["stablehlo_ops_inlined"]
+                )
+                / n,
+                "hlo_entry_instructions_added_per_layer": (
+                    info[v]["hlo_instructions_entry"] - p["hlo_instructions_entry"]
+                )
+                / n,
+                "hlo_total_instructions_added_per_layer": (
+                    info[v]["hlo_instructions_total"] - p["hlo_instructions_total"]
+                )
+                / n,
+                "op_kinds_added_per_layer_inlined": _diff_counts(info[v]["op_counts_inlined"], p["op_counts_inlined"], n),
+                "op_kinds_added_per_layer_textual": _diff_counts(info[v]["op_counts"], p["op_counts"], n),
+            }
+    log(f"  [{dtype_name}] {args.rounds} rounds took {rounds_wall:.1f}s")
+    return {"variants": info, "rounds_wall_s": rounds_wall}
+
+
+def _diff_counts(a: dict, b: dict, n: int) -> dict[str, float]:
+    keys = set(a) | set(b)
+    d = {k: (a.get(k, 0) - b.get(k, 0)) / n for k in keys}
+    return dict(sorted(((k, v) for k, v in d.items() if v), key=lambda kv: (-kv[1], kv[0])))
+
+
+def print_table(results: dict, out=sys.stdout):
+    hdr = (
+        f"{'dtype':<9} {'variant':<7} {'step ms':>9} {'x plain':>7} {'compile s':>9} {'x plain':>7} "
+        f"{'SHLO ops':>8} {'+/layer':>8} {'inlined':>7} {'+/layer':>8} {'HLO entry':>9} {'+/layer':>8}"
+    )
+    print(hdr, file=out)
+    print("-" * len(hdr), file=out)
+
+    def fmt(vp, key, spec, default):
+        return format(vp[key], spec) if vp else default
+
+    for dtype_name, res in results.items():
+        for v, i in res["variants"].items():
+            vp = i.get("vs_plain")
+            print(
+                f"{dtype_name:<9} {v:<7} {i['step_s_median'] * 1e3:>9.2f} "
+                f"{fmt(vp, 'step_ratio', '.3f', '1'):>7} "
+                f"{i['compile_s_median']:>9.3f} {fmt(vp, 'compile_ratio', '.2f', '1'):>7} "
+                f"{i['stablehlo_ops']:>8d} {fmt(vp, 'stablehlo_ops_added_per_layer', '+.1f', '-'):>8} "
+                f"{i['stablehlo_ops_inlined']:>7d} {fmt(vp, 'stablehlo_ops_inlined_added_per_layer', '+.1f', '-'):>8} "
+                f"{i['hlo_instructions_entry']:>9d} {fmt(vp, 'hlo_entry_instructions_added_per_layer', '+.1f', '-'):>8}",
+                file=out,
+            )
+    print(
+        "\nSHLO ops: `stablehlo.*` op lines in Lowered.as_text() (private funcs counted once); inlined: the same "
+        "with every `call` expanded;\nHLO entry: instructions in the ENTRY computation of the optimised HLO "
+        "(~ kernels that run). +/layer: (variant - plain) / number of FP8 layers.\n",
+        file=out,
+    )
+    for dtype_name, res in results.items():
+        for v, i in res["variants"].items():
+            vp = i.get("vs_plain")
+            if not vp:
+                continue
+            top = list(vp["op_kinds_added_per_layer_inlined"].items())[:10]
+            s = ", ".join(f"{k.removeprefix('stablehlo.')} {c:+g}" for k, c in top)
+            print(f"{dtype_name:<9} {v:<7} top op kinds added per layer (inlined): {s}", file=out)
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds, each runs every variant once (default 20)")
+    p.add_argument("--batch", type=int, default=None, help="batch size (default 256)")
+    p.add_argument("--embed", type=int, default=None, help="Embed axis size (default 1024)")
+    p.add_argument("--hidden", type=int, default=None, help="Mlp axis size (default 4096)")
+    p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32,bfloat16")
+    p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of plain,fp8ax,haliax")
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls per variant before timing (default 2)")
+    p.add_argument("--compile-reps", type=int, default=None, help="compiles per variant for the compile time (default 3)")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="tiny smoke config: embed 64, hidden 128, batch 16, rounds 3")
+    p.add_argument("--out", default=None, help=f"JSON output path (default {DEFAULT_OUT.relative_to(HERE.parent)}; "
+                   f"with --quick {QUICK_OUT.relative_to(HERE.parent)}); '' for none")
+    p.add_argument("--dump-dir", default=None, help="also write each step's StableHLO and optimised HLO here")
+    args = p.parse_args(argv)
+
+    defaults = dict(rounds=20, batch=256, embed=1024, hidden=4096, warmup=2, compile_reps=3)
+    quick = dict(rounds=3, batch=16, embed=64, hidden=128, warmup=1, compile_reps=1)
+    for k, v in (quick if args.quick else defaults).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.out is None:
+        args.out = str(QUICK_OUT if args.quick else DEFAULT_OUT)
+    args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    for d in args.dtypes:
+        if d not in DTYPES:
+            p.error(f"unknown dtype {d!r}; choose from {sorted(DTYPES)}")
+    args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    for v in args.variants:
+        if v not in VARIANTS:
+            p.error(f"unknown variant {v!r}; choose from {VARIANTS}")
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
+    return args
+
+
+def main(argv=None) -> dict[str, Any]:
+    args = parse_args(argv)
+
+    def log(msg):
+        print(msg, file=sys.stderr, flush=True)
+
+    t0 = time.perf_counter()
+    log(
+        f"fp8ax overhead benchmark: batch {args.batch}, embed {args.embed}, hidden {args.hidden}, "
+        f"rounds {args.rounds}, dtypes {args.dtypes}, optimizer {args.optimizer}, backend {jax.default_backend()}"
+    )
+    results = {}
+    for d in args.dtypes:
+        log(f"running {d} ...")
+        results[d] = run_dtype(args, d, log)
+    total = time.perf_counter() - t0
+
+    print_table(results)
+    payload = {
+        "benchmark": "bench/overhead.py",
+        "machine": machine_info(),
+        "config": {
+            "batch": args.batch,
+            "embed": args.embed,
+            "hidden": args.hidden,
+            "fp8_layers": 2,
+            "rounds": args.rounds,
+            "warmup": args.warmup,
+            "compile_reps": args.compile_reps,
+            "dtypes": args.dtypes,
+            "variants": args.variants,
+            "optimizer": args.optimizer,
+            "lr": args.lr,
+            "seed": args.seed,
+            "quick": args.quick,
+            "model": "Mlp: hnn.Linear(Embed->Mlp) -> gelu -> hnn.Linear(Mlp->Embed), MSE loss",
+            "step": "eqx.filter_jit(filter_grad -> partition_for_grad_overwrite -> optax update -> apply_updates)",
+            "timing": "per round each variant runs one step in turn (order rotates each round), "
+            "jax.block_until_ready; median over rounds",
+            "compile_time": "eqx.filter_jit(step).lower(...).compile() wall time, median over compile_reps",
+            "op_count": "stablehlo_ops: lines of Lowered.as_text() whose op name starts with 'stablehlo.' "
+            "(with or without a result, stablehlo.return included; a private func such as @_where or @clip "
+            "counted once however often it is called); stablehlo_ops_inlined: the same with every `call` "
+            "replaced by the callee's ops; hlo_instructions_total/entry: instructions of Compiled.as_text() "
+            "(optimised, post-fusion HLO) in all computations / in the ENTRY computation; "
+            "*_added_per_layer = (variant - plain) / fp8_layers",
+        },
+        "total_wall_s": total,
+        "results": results,
+    }
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(payload, indent=2) + "\n")
+        log(f"wrote {out}")
+    log(f"total wall time {total:.1f}s")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""Quantisation against ml_dtypes casting (an independent implementation of the formats)."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from fp8ax import _formats
+
+FORMATS = [
+    (jnp.float8_e4m3fn, ml_dtypes.float8_e4m3fn, 448.0),
+    (jnp.float8_e5m2, ml_dtypes.float8_e5m2, 57344.0),
+    (jnp.float8_e4m3fnuz, ml_dtypes.float8_e4m3fnuz, 240.0),
+    (jnp.float8_e5m2fnuz, ml_dtypes.float8_e5m2fnuz, 57344.0),
+]
+
+
+def _reference(x: np.ndarray, scale: float, ml_dtype, bound: float) -> np.ndarray:
+    # float32 multiply by the float32 reciprocal of the scale, then a saturating
+    # round-to-nearest-even cast, all in NumPy/ml_dtypes.
+    scaled = x.astype(np.float32) * (np.float32(1.0) / np.float32(scale))
+    return np.clip(scaled, -bound, bound).astype(ml_dtype)
+
+
+def _special_values(ml_dtype) -> np.ndarray:
+    info = ml_dtypes.finfo(ml_dtype)
+    tiny = float(info.smallest_subnormal)
+    normal = float(info.smallest_normal)
+    big = float(info.max)
+    vals = [
+        0.0, -0.0, np.nan, 1.0, -1.0,
+        big, -big, big * 1.01, -big * 4, 1e30, -1e30, np.inf, -np.inf,  # saturation
+        tiny, -tiny, tiny * 0.5, tiny * 0.49, tiny * 1.5, tiny * 2.5,    # subnormals and ties
+        normal, normal * 0.75, -normal * 0.5,
+    ]
+    return np.array(vals, np.float32)
+
+
+@pytest.mark.parametrize("jdtype,mldtype,bound", FORMATS)
+def test_fp8_max(jdtype, mldtype, bound):
+    assert _formats.fp8_max(np.dtype(jdtype)) == bound == float(ml_dtypes.finfo(mldtype).max)
+
+
+@pytest.mark.parametrize("jdtype,mldtype,bound", FORMATS)
+@pytest.mark.parametrize("scale", [1.0, 0.25, 3.7e-3, 1000.0])
+def test_quantize_bit_exact(jdtype, mldtype, bound, scale, getkey):
+    # Random normals spanning many binades, plus every special case, times the scale so
+    # that the special values hit the format after division.
+    x = np.asarray(jax.random.normal(getkey(), (4096,), jnp.float32)) * np.float32(bound / 3)
+    x = np.concatenate([x, _special_values(mldtype)]) * np.float32(scale)
+    got = np.asarray(jax.jit(_formats.quantize, static_argnums=2)(x, jnp.float32(scale), np.dtype(jdtype)))
+    want = _reference(x, scale, mldtype, bound)
+    # Compare bit patterns: exact, and distinguishes -0 from 0 and NaN encodings.
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.parametrize("jdtype,mldtype,bound", FORMATS[:2])
+def test_quantize_saturates_and_keeps_nan(jdtype, mldtype, bound):
+    x = jnp.array([1e6, -1e6, jnp.inf, -jnp.inf, jnp.nan, -0.0], jnp.float32)
+    q = np.asarray(_formats.quantize(x, jnp.float32(1.0), np.dtype(jdtype)), np.float32)
+    assert q[0] == bound and q[1] == -bound  # clipped, not inf
+    assert q[2] == bound and q[3] == -bound
+    assert np.isnan(q[4])
+    assert q[5] == 0 and np.signbit(q[5])  # negative zero survives
+
+
+def test_quantize_bf16_input_is_exact_in_f32(getkey):
+    # bf16 inputs are divided in float32, so the result equals quantising the f32 value.
+    x = jax.random.normal(getkey(), (1024,), jnp.float32).astype(jnp.bfloat16)
+    got = np.asarray(_formats.quantize(x, jnp.float32(0.013), np.dtype(jnp.float8_e4m3fn)))
+    want = _reference(np.asarray(x, np.float32), 0.013, ml_dtypes.float8_e4m3fn, 448.0)
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+def test_dequantize_round_trip(getkey):
+    # Cast round trip SQNR (torchao's bound for casts: >= 25 dB); E4M3 gives ~31 dB on normals.
+    x = jax.random.normal(getkey(), (4096,), jnp.float32)
+    scale = jnp.max(jnp.abs(x)) / 448.0
+    q = _formats.quantize(x, scale, np.dtype(jnp.float8_e4m3fn))
+    y = _formats.dequantize(q, scale, jnp.float32)
+    from helpers import sqnr
+
+    assert sqnr(x, y) >= 25.0
+
+
+def test_as_fp8_dtype_rejects_non_fp8():
+    for bad in (jnp.bfloat16, jnp.int8, "float32", "nonsense", None):
+        with pytest.raises(TypeError, match="`fwd_dtype` must be an 8-bit floating-point dtype"):
+            _formats.as_fp8_dtype(bad, "fwd_dtype")
