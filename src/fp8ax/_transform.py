@@ -82,7 +82,7 @@ class Fp8Linear(eqx.Module):
         y = self.dot_general(x, self.weight, (((x.ndim - 1,), (1,)), ((), ())))
         if self.bias is not None:
             with jax.numpy_dtype_promotion("standard"):
-                y = y + self.bias
+                y = y + jnp.broadcast_to(self.bias, y.shape)
         if self.out_features == "scalar":
             y = y[..., 0]
         return y
