@@ -1,0 +1,173 @@
+"""partition_for_grad_overwrite, apply_updates, cast_floating, and interop with Haliax's helpers."""
+
+import equinox as eqx
+import haliax as hax
+import haliax.quantization as haxq
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from helpers import Batch, HaliaxMLP, In, Mid, Out, mse
+
+import fp8ax
+
+
+def _data(getkey):
+    return hax.random.normal(getkey(), (Batch, In)), hax.random.normal(getkey(), (Batch, Out))
+
+
+def test_partition_splits_state_from_parameters(getkey):
+    m = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
+    overwrite, rest = fp8ax.partition_for_grad_overwrite(m)
+    assert isinstance(overwrite.up_proj.dot_general, fp8ax.Fp8DotGeneral)
+    assert overwrite.up_proj.weight.array is None
+    assert rest.up_proj.dot_general is None and rest.up_proj.weight.array is m.up_proj.weight.array
+
+
+def test_tldr_train_step_with_adamw(getkey):
+    # The README's step, with an optimiser that reads `params` (weight decay).
+    model = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
+    x, y = _data(getkey)
+    opt = optax.adamw(1e-2, weight_decay=0.1)
+    _, trainable = fp8ax.partition_for_grad_overwrite(model)
+    opt_state = opt.init(trainable)
+
+    @eqx.filter_jit
+    def step(model, opt_state, x, y):
+        grads = eqx.filter_grad(mse)(model, x, y)
+        overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes its int step count with floats
+            updates, opt_state = opt.update(grads, opt_state, params=model)
+        return fp8ax.apply_updates(model, updates, overwrite), opt_state
+
+    losses = []
+    for _ in range(20):
+        model, opt_state = step(model, opt_state, x, y)
+        losses.append(float(mse(model, x, y)))
+    assert losses[-1] < 0.5 * losses[0]
+    dg = model.up_proj.dot_general
+    # The state was written, not decayed or moved by Adam: the newest amax is exactly the
+    # input's amax, as on every step.
+    assert float(dg.lhs.amax_history[0]) == float(jnp.max(jnp.abs(x.array)))
+    assert float(dg.lhs.scale) == pytest.approx(float(jnp.max(jnp.abs(x.array))) / 448.0, rel=1e-6)
+
+
+def test_parameters_keep_their_dtype(getkey):
+    model = fp8ax.cast_floating(fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey())), jnp.bfloat16)
+    assert model.up_proj.weight.dtype == jnp.bfloat16
+    assert model.up_proj.dot_general.lhs.scale.dtype == jnp.float32
+    updates = jax.tree.map(lambda w: jnp.ones(w.shape, jnp.float32), fp8ax.partition_for_grad_overwrite(model)[1])
+    overwrite, _ = fp8ax.partition_for_grad_overwrite(model)
+    new = fp8ax.apply_updates(model, updates, overwrite)
+    assert new.up_proj.weight.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(
+        np.asarray(new.up_proj.weight.array, np.float32),
+        np.asarray((model.up_proj.weight.array.astype(jnp.float32) + 1).astype(jnp.bfloat16), np.float32),
+    )
+
+
+def test_gradients_passed_as_overwrite_are_refused(getkey):
+    model = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
+    x, y = _data(getkey)
+    grads = eqx.filter_grad(mse)(model, x, y)
+    overwrite, rest = fp8ax.partition_for_grad_overwrite(grads)
+    with pytest.raises(ValueError, match=r"`overwrite` holds a value for the ordinary parameter at `\.up_proj\.weight"):
+        fp8ax.apply_updates(model, rest, grads)  # Haliax's docs make this mistake
+
+
+def test_unpartitioned_updates_are_refused(getkey):
+    model = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
+    x, y = _data(getkey)
+    grads = eqx.filter_grad(mse)(model, x, y)
+    overwrite, _ = fp8ax.partition_for_grad_overwrite(grads)
+    updates = jax.tree.map(lambda g: -0.1 * g, grads)  # the state went through the "optimiser"
+    with pytest.raises(ValueError, match=r"`updates` holds values for the FP8 state at `\.up_proj\.dot_general`"):
+        fp8ax.apply_updates(model, updates, overwrite)
+
+
+class TwoHeads(eqx.Module):
+    trunk: hax.nn.Linear
+    head_a: hax.nn.Linear
+    head_b: hax.nn.Linear
+
+    def __call__(self, x, head):
+        h = hax.nn.relu(self.trunk(x))
+        return (self.head_a if head == "a" else self.head_b)(h)
+
+
+def test_unused_layer_keeps_its_state(getkey):
+    ks = jax.random.split(getkey(), 3)
+    model = TwoHeads(
+        hax.nn.Linear.init(In, Mid, key=ks[0]), hax.nn.Linear.init(Mid, Out, key=ks[1]),
+        hax.nn.Linear.init(Mid, Out, key=ks[2]),
+    )
+    model = fp8ax.fp8_linear_layers(model)
+    x, y = _data(getkey)
+
+    def loss(m, head):
+        return hax.mean((m(x, head) - y) ** 2).scalar()
+
+    def step(m, head):
+        overwrite, grads = fp8ax.partition_for_grad_overwrite(eqx.filter_grad(loss)(m, head))
+        return fp8ax.apply_updates(m, jax.tree.map(lambda g: -0.01 * g, grads), overwrite), overwrite
+
+    model, _ = step(model, "b")  # give head_b some state
+    before = jax.tree.leaves(model.head_b.dot_general)
+    after_model, overwrite = step(model, "a")  # head_b unused this step
+    for a, b in zip(before, jax.tree.leaves(after_model.head_b.dot_general)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # What the step delivered for head_b is zeros; overwriting with it (as Haliax's
+    # `apply_updates` does) would make the next scale 0.
+    assert float(overwrite.head_b.dot_general.lhs.scale) == 0.0
+    haliax_result = haxq.apply_updates(model, jax.tree.map(lambda _: None, model), overwrite)
+    assert float(haliax_result.head_b.dot_general.lhs.scale) == 0.0
+    assert float(after_model.head_b.dot_general.lhs.scale) > 0.0
+
+
+def test_interop_with_haliax_helpers(getkey):
+    ours = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
+    theirs = haxq.quantize_linear_layers(HaliaxMLP.init(key=getkey()), haxq.QuantizationConfig(fp8=True))
+    # Haliax's partition finds fp8ax's modules, and fp8ax's finds Haliax's.
+    assert isinstance(haxq.partition_for_grad_overwrite(ours)[0].up_proj.dot_general, fp8ax.Fp8DotGeneral)
+    assert isinstance(fp8ax.partition_for_grad_overwrite(theirs)[0].up_proj.dot_general, haxq.Fp8DotGeneralOp)
+    assert issubclass(fp8ax.OverwriteWithGradient, haxq.OverwriteWithGradient)
+    # A training step written against Haliax's helpers runs an fp8ax model.
+    x, y = _data(getkey)
+    grads = eqx.filter_grad(mse)(ours, x, y)
+    overwrite, grads = haxq.partition_for_grad_overwrite(grads)
+    new = haxq.apply_updates(ours, jax.tree.map(lambda g: -0.01 * g, grads), overwrite)
+    assert float(new.up_proj.dot_general.lhs.amax_history[0]) == float(jnp.max(jnp.abs(x.array)))
+    # And fp8ax's helpers run a Haliax-quantised model.
+    grads = eqx.filter_grad(mse)(theirs, x, y)
+    overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)
+    new = fp8ax.apply_updates(theirs, jax.tree.map(lambda g: -0.01 * g, grads), overwrite)
+    assert float(new.up_proj.dot_general.input_amax_history[0]) == float(jnp.max(jnp.abs(x.array)))
+
+
+def test_clip_by_global_norm_does_not_see_state(getkey):
+    model = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
+    plain = HaliaxMLP.init(key=getkey())
+    plain = eqx.tree_at(lambda m: (m.up_proj.weight, m.down_proj.weight), plain,
+                        (model.up_proj.weight, model.down_proj.weight))
+    x, y = _data(getkey)
+    _, grads = fp8ax.partition_for_grad_overwrite(eqx.filter_grad(mse)(model, x, y))
+    plain_grads = eqx.filter_grad(mse)(plain, x, y)
+    # The global norm of what the optimiser sees covers the parameters only (the FP8
+    # gradients are close to, not equal to, the float32 ones: 10% tolerance).
+    assert float(optax.tree.norm(grads)) == pytest.approx(float(optax.tree.norm(plain_grads)), rel=0.1)
+    assert len(jax.tree.leaves(grads)) == len(jax.tree.leaves(plain_grads))
+
+
+def test_cast_floating(getkey):
+    model = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
+    cast = fp8ax.cast_floating(model, jnp.bfloat16)
+    assert cast.up_proj.weight.dtype == jnp.bfloat16 and cast.up_proj.bias.dtype == jnp.bfloat16
+    for leaf in jax.tree.leaves(cast.up_proj.dot_general):
+        assert leaf.dtype == jnp.float32
+    with pytest.raises(TypeError, match="`dtype` must be a floating dtype, got int8"):
+        fp8ax.cast_floating(model, jnp.int8)
+    # The naive cast loses float32 state, and the layer refuses to run on it.
+    naive = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, model)
+    with pytest.raises(TypeError, match="must stay float32"):
+        naive(hax.random.normal(getkey(), (Batch, In)).astype(jnp.bfloat16))
