@@ -139,10 +139,11 @@ class DelayedScaling(AbstractScalingRecipe):
             past = amax_history[..., 0]
         if self.calibrate_first_call:
             past = jnp.where(jnp.all(amax_history == 0, axis=-1), amax, past)
-        # Same operations, in the same order, as TransformerEngine's/Flax's `compute_scale`,
-        # so `calibrate_first_call=False` matches them bit for bit.
-        inv = (jnp.float32(fp8_max) / past) / jnp.float32(2.0**self.margin)
-        new = jnp.float32(1.0) / inv
+        # One multiply by a float32 constant, `2**margin / fp8_max` rounded once. Flax's
+        # `1 / ((fp8_max / amax) / 2**margin)` is the same number mathematically, but XLA
+        # simplifies it differently in different programs (inside `lax.scan` or not),
+        # which would make the state depend by an ulp on how a layer was called.
+        new = past * jnp.float32(2.0**self.margin / fp8_max)
         ok = jnp.isfinite(past) & (past > 0) & jnp.isfinite(new) & (new > 0)
         return jnp.where(ok, new, scale)
 
