@@ -150,6 +150,11 @@ def test_min_features_skips_small_layers(getkey):
     assert _converted_paths(m) == ["blocks.stacked.mlp.up_proj", "blocks.stacked.mlp.down_proj"]
 
 
+def test_min_features_skipping_everything_is_an_error(getkey):
+    with pytest.raises(ValueError, match=r"`config.min_features` \(256\) skips all 3 selected linear layers"):
+        fp8ax.fp8_linear_layers(Deep.init(key=getkey()), fp8ax.Fp8Config(min_features=256))
+
+
 def test_equinox_mlp(getkey):
     mlp = eqx.nn.MLP(12, 5, width_size=24, depth=2, key=getkey())
     m = fp8ax.fp8_linear_layers(mlp)

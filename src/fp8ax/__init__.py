@@ -1,6 +1,6 @@
 """FP8 training for Equinox and Haliax models."""
 
-import importlib.metadata
+from importlib.metadata import version as _version
 
 # configuration
 from ._config import Fp8Config as Fp8Config
@@ -21,4 +21,4 @@ from ._dot_general import Fp8DotGeneral as Fp8DotGeneral
 from ._transform import Fp8Linear as Fp8Linear
 from ._state import ScalingState as ScalingState
 
-__version__ = importlib.metadata.version("fp8ax")
+__version__ = _version("fp8ax")

@@ -88,8 +88,10 @@ class Fp8DotGeneral(OverwriteWithGradient):
           `lax.dot_general` on the FP8 arrays with a float32 result, then multiplies by
           the two scales. `"qdq"` quantises, dequantises back to the compute dtype and
           calls a high-precision `dot_general`: the convert-multiply-dot pattern that
-          XLA's GPU compiler rewrites into a cuBLASLt FP8 GEMM. Both give the same result
-          up to float32 rounding. (Keyword only argument.)
+          XLA's GPU compiler rewrites into a cuBLASLt FP8 GEMM. With float32 operands both
+          give the same result up to float32 rounding; with bf16 operands `"qdq"`
+          dequantises in bf16 (as XLA's pattern requires), which rounds the scales to
+          bf16 too. (Keyword only argument.)
         - `compute_dtype`: if given, both operands are cast to it first (for example
           `jnp.bfloat16`). (Keyword only argument.)
         - `fwd_precision`: `lax.Precision` of the forward GEMM; `None` uses the `precision`

@@ -97,10 +97,11 @@ class DelayedScaling(AbstractScalingRecipe):
         - `amax_compute_algo`: `"max"` (the maximum over the history) or `"most_recent"`
           (the newest entry).
         - `calibrate_first_call`: while the history is still empty (the first step), take
-          the amax of the tensor being quantised instead of keeping the initial scale of
-          1. Without it the first step clips values above the format maximum (448 for
-          E4M3) and flushes small gradients to zero. `False` reproduces Haliax's and
-          Flax's numerics step for step.
+          the amax of the tensor being quantised instead of keeping the initial scale
+          of one. Without it the first step clips values above the format maximum (448
+          for E4M3) and flushes small gradients to zero. `False` gives Haliax's and
+          Flax's first step exactly; later scales can differ from theirs in the last bit
+          (they compute the same quotient in another order).
         - `fwd_dtype`: FP8 format of the forward operands (default E4M3, `jnp.float8_e4m3fn`).
           (Keyword only argument.)
         - `grad_dtype`: FP8 format of the output gradient (default E5M2,

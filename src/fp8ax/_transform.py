@@ -191,9 +191,10 @@ def fp8_linear_layers(module: T, config: Fp8Config | None = None) -> T:
 
     seen: list[str] = []
     selected = 0
+    kept = 0  # selected layers that are FP8 after the transform (converted or already)
 
     def convert(path, node):
-        nonlocal selected
+        nonlocal selected, kept
         if not _is_linear(node):
             return node
         p = path_str(path)
@@ -202,10 +203,12 @@ def fp8_linear_layers(module: T, config: Fp8Config | None = None) -> T:
             return node
         selected += 1
         if _is_fp8(node):
+            kept += 1
             return node
         fin, fout = _features(node)
         if min(fin, fout) < config.min_features:
             return node
+        kept += 1
         if isinstance(node, eqx.nn.Linear):
             return Fp8Linear.from_linear(node, config)
         return dataclasses.replace(node, dot_general=config.make_dot_general(_haliax_batch_shape(node)))
@@ -222,5 +225,10 @@ def fp8_linear_layers(module: T, config: Fp8Config | None = None) -> T:
             f"`config.targets` ({config.targets!r}) matches none of the {len(seen)} linear layers. "
             f"Their paths: {shown}. A list entry matches a path that equals it or ends with '.' + entry; a "
             "string must re.fullmatch the whole path."
+        )
+    if kept == 0:
+        raise ValueError(
+            f"`config.min_features` ({config.min_features}) skips all {selected} selected linear layers (each has "
+            "an input or output smaller than that), so nothing was converted. Lower `min_features`."
         )
     return out
