@@ -40,3 +40,11 @@ def test_readme_starts_with_the_two_commands():
     assert '.venv/bin/pip install -e ".[test]" && .venv/bin/python -m pytest -q' in head
     ci = (ROOT / ".ci" / "run").read_text()
     assert '.venv/bin/pip install -q -e ".[test]" && .venv/bin/python -m pytest -q' in ci
+
+
+def test_docs_build_strict(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
