@@ -7,10 +7,11 @@ Measures, for a model `Embed -> Mlp -> Embed` built from two `haliax.nn.Linear` 
     * ``plain``   -- no FP8;
     * ``fp8ax``   -- ``fp8ax.fp8_linear_layers(model)``;
     * ``haliax``  -- ``haliax.quantization.quantize_linear_layers(model, QuantizationConfig(fp8=True))``;
-- the compile time of each step (``eqx.filter_jit(step).lower(...).compile()``, median of
-  a few compiles);
+- the compile time of each step: ``eqx.filter_jit(step).lower(...)`` (trace + lower) and
+  ``.compile()`` (XLA), each after ``jax.clear_caches()``, median of a few;
 - the StableHLO op count of each step (``.lower(...).as_text()``) and what each
-  converted layer adds to it relative to the plain step;
+  converted layer adds to it relative to the plain step (see `count_ops` for exactly
+  what is counted), plus the instruction count of the optimised HLO;
 
 for float32 and for bfloat16 parameters and inputs. Prints a table and writes JSON.
 
@@ -21,7 +22,7 @@ GEMM speed.
 Run::
 
     python bench/overhead.py                 # full default run (spec sizes)
-    python bench/overhead.py --quick         # tiny smoke config
+    python bench/overhead.py --quick         # tiny smoke config (~15 s), writes *_quick.json
     python bench/overhead.py --dtypes float32 --rounds 30 --out /tmp/x.json
 """
 
@@ -109,7 +110,8 @@ def make_step(variant: str, opt: optax.GradientTransformation) -> Callable:
     def step(model, opt_state, x, y):
         grads = eqx.filter_grad(loss_fn)(model, x, y)
         overwrite, grads = partition(grads)
-        updates, opt_state = opt.update(grads, opt_state, params=model)
+        _, params = partition(model)
+        updates, opt_state = opt.update(grads, opt_state, params=eqx.filter(params, eqx.is_inexact_array))
         model = apply(model, updates, overwrite)
         return model, opt_state
 
@@ -270,6 +272,15 @@ def machine_info() -> dict[str, Any]:
         ).stdout.strip()
     except Exception:
         commit = None
+    try:
+        # Uncommitted changes to the library itself (the benchmark measures the working tree).
+        dirty = subprocess.run(
+            ["git", "-C", str(HERE.parent), "status", "--porcelain", "--", "src"],
+            capture_output=True, text=True, check=True,
+        ).stdout.split("\n")
+        dirty = [line.strip() for line in dirty if line.strip()]
+    except Exception:
+        dirty = None
     cpu = None
     try:
         with open("/proc/cpuinfo") as f:
@@ -283,7 +294,8 @@ def machine_info() -> dict[str, Any]:
     import equinox
 
     return {
-        "devices": [str(d) for d in jax.devices()],
+        "devices": [repr(d) for d in jax.devices()],
+        "device_kind": jax.devices()[0].device_kind,
         "backend": jax.default_backend(),
         "jax_version": jax.__version__,
         "jaxlib_version": getattr(jax.lib, "__version__", None) or _jaxlib_version(),
@@ -292,12 +304,20 @@ def machine_info() -> dict[str, Any]:
         "optax_version": optax.__version__,
         "fp8ax_version": fp8ax.__version__,
         "fp8ax_git_commit": commit,
+        "fp8ax_src_uncommitted_changes": dirty,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
         "cpu_model": cpu,
         "cpu_count": os.cpu_count(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+
+
+def _loadavg():
+    try:
+        return list(os.getloadavg())
+    except OSError:
+        return None
 
 
 def _dist_version(name: str):
@@ -334,19 +354,25 @@ def run_dtype(args, dtype_name: str, log) -> dict[str, Any]:
         info[v] = {"fp8_layers": count_fp8_layers(model), "fp8_state_dtypes": fp8_state_dtypes(model)}
 
     # ---- lowering, op counts and compile time (interleaved, median of compile_reps) ----
+    # Rep 0 is untimed: it absorbs one-time costs (first tracing of jnp/haliax helpers,
+    # LLVM start-up) and gives the op counts. The order of the variants rotates per rep.
     lower_s = {v: [] for v in variants}
     compile_s = {v: [] for v in variants}
-    for rep in range(args.compile_reps):
-        for v in variants:
+    for rep in range(args.compile_reps + 1):
+        for v in variants[rep % len(variants):] + variants[: rep % len(variants)]:
             model, opt_state = states[v]
+            # Drop JAX's in-memory tracing/lowering/executable caches, so every rep
+            # traces, lowers and compiles from scratch.
+            jax.clear_caches()
             t0 = time.perf_counter()
             lowered = steps[v].lower(model, opt_state, x, y)
             t1 = time.perf_counter()
             compiled = lowered.compile()
             t2 = time.perf_counter()
-            lower_s[v].append(t1 - t0)
-            compile_s[v].append(t2 - t1)
-            if rep == 0:
+            if rep > 0:
+                lower_s[v].append(t1 - t0)
+                compile_s[v].append(t2 - t1)
+            else:
                 text = lowered.as_text()
                 ops = count_ops(text)
                 hlo = count_hlo(compiled.compiled.as_text())
@@ -366,10 +392,12 @@ def run_dtype(args, dtype_name: str, log) -> dict[str, Any]:
                     (d / f"{v}_{dtype_name}.stablehlo.mlir").write_text(text)
                     (d / f"{v}_{dtype_name}.optimized.hlo").write_text(compiled.compiled.as_text())
     for v in variants:
+        total = [a + b for a, b in zip(lower_s[v], compile_s[v])]
+        info[v]["lower_compile_s_median"] = statistics.median(total)
         info[v]["lower_s_median"] = statistics.median(lower_s[v])
         info[v]["compile_s_median"] = statistics.median(compile_s[v])
-        info[v]["compile_s_all"] = compile_s[v]
         info[v]["lower_s_all"] = lower_s[v]
+        info[v]["compile_s_all"] = compile_s[v]
 
     # ---- warm-up (first call compiles through the jit cache) ----
     for v in variants:
@@ -390,6 +418,9 @@ def run_dtype(args, dtype_name: str, log) -> dict[str, Any]:
     for v in variants:
         info[v]["step_s_median"] = statistics.median(times[v])
         info[v]["step_s_min"] = min(times[v])
+        if len(times[v]) >= 4:
+            q = statistics.quantiles(times[v], n=4)
+            info[v]["step_s_p25"], info[v]["step_s_p75"] = q[0], q[2]
         info[v]["step_s_all"] = times[v]
         loss = loss_fn(states[v][0], x, y)
         info[v]["final_loss"] = float(loss)
@@ -403,7 +434,9 @@ def run_dtype(args, dtype_name: str, log) -> dict[str, Any]:
             n = max(info[v]["fp8_layers"], 1)
             info[v]["vs_plain"] = {
                 "step_ratio": info[v]["step_s_median"] / p["step_s_median"],
-                "compile_ratio": info[v]["compile_s_median"] / p["compile_s_median"],
+                "compile_ratio": info[v]["lower_compile_s_median"] / p["lower_compile_s_median"],
+                "xla_compile_ratio": info[v]["compile_s_median"] / p["compile_s_median"],
+                "lower_ratio": info[v]["lower_s_median"] / p["lower_s_median"],
                 "stablehlo_ops_added_per_layer": (info[v]["stablehlo_ops"] - p["stablehlo_ops"]) / n,
                 "stablehlo_ops_inlined_added_per_layer": (
                     info[v]["stablehlo_ops_inlined"] - p["stablehlo_ops_inlined"]
@@ -444,17 +477,19 @@ def print_table(results: dict, out=sys.stdout):
     for dtype_name, res in results.items():
         for v, i in res["variants"].items():
             vp = i.get("vs_plain")
+            one, dash = ("1", "-") if v == "plain" else ("n/a", "n/a")
             print(
                 f"{dtype_name:<9} {v:<7} {i['step_s_median'] * 1e3:>9.2f} "
-                f"{fmt(vp, 'step_ratio', '.3f', '1'):>7} "
-                f"{i['compile_s_median']:>9.3f} {fmt(vp, 'compile_ratio', '.2f', '1'):>7} "
-                f"{i['stablehlo_ops']:>8d} {fmt(vp, 'stablehlo_ops_added_per_layer', '+.1f', '-'):>8} "
-                f"{i['stablehlo_ops_inlined']:>7d} {fmt(vp, 'stablehlo_ops_inlined_added_per_layer', '+.1f', '-'):>8} "
-                f"{i['hlo_instructions_entry']:>9d} {fmt(vp, 'hlo_entry_instructions_added_per_layer', '+.1f', '-'):>8}",
+                f"{fmt(vp, 'step_ratio', '.3f', one):>7} "
+                f"{i['lower_compile_s_median']:>9.3f} {fmt(vp, 'compile_ratio', '.2f', one):>7} "
+                f"{i['stablehlo_ops']:>8d} {fmt(vp, 'stablehlo_ops_added_per_layer', '+.1f', dash):>8} "
+                f"{i['stablehlo_ops_inlined']:>7d} {fmt(vp, 'stablehlo_ops_inlined_added_per_layer', '+.1f', dash):>8} "
+                f"{i['hlo_instructions_entry']:>9d} {fmt(vp, 'hlo_entry_instructions_added_per_layer', '+.1f', dash):>8}",
                 file=out,
             )
     print(
-        "\nSHLO ops: `stablehlo.*` op lines in Lowered.as_text() (private funcs counted once); inlined: the same "
+        "\ncompile s: trace+lower+XLA compile of the step (median).\n"
+        "SHLO ops: `stablehlo.*` op lines in Lowered.as_text() (private funcs counted once); inlined: the same "
         "with every `call` expanded;\nHLO entry: instructions in the ENTRY computation of the optimised HLO "
         "(~ kernels that run). +/layer: (variant - plain) / number of FP8 layers.\n",
         file=out,
@@ -467,18 +502,32 @@ def print_table(results: dict, out=sys.stdout):
             top = list(vp["op_kinds_added_per_layer_inlined"].items())[:10]
             s = ", ".join(f"{k.removeprefix('stablehlo.')} {c:+g}" for k, c in top)
             print(f"{dtype_name:<9} {v:<7} top op kinds added per layer (inlined): {s}", file=out)
+    print(file=out)
+    for dtype_name, res in results.items():
+        vs = res["variants"]
+        if "fp8ax" in vs and "haliax" in vs:
+            f, h = vs["fp8ax"], vs["haliax"]
+            print(
+                f"{dtype_name:<9} fp8ax / haliax: step {f['step_s_median'] / h['step_s_median']:.3f}x, "
+                f"compile {f['lower_compile_s_median'] / h['lower_compile_s_median']:.2f}x, "
+                f"StableHLO ops {f['stablehlo_ops'] / h['stablehlo_ops']:.2f}x "
+                f"(inlined {f['stablehlo_ops_inlined'] / h['stablehlo_ops_inlined']:.2f}x)",
+                file=out,
+            )
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rounds", type=int, default=None, help="timed rounds, each runs every variant once (default 20)")
+    p.add_argument("--rounds", type=int, default=None, help="timed rounds, each runs every variant once (default 50)")
     p.add_argument("--batch", type=int, default=None, help="batch size (default 256)")
     p.add_argument("--embed", type=int, default=None, help="Embed axis size (default 1024)")
     p.add_argument("--hidden", type=int, default=None, help="Mlp axis size (default 4096)")
     p.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32,bfloat16")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset of plain,fp8ax,haliax")
-    p.add_argument("--warmup", type=int, default=None, help="untimed calls per variant before timing (default 2)")
-    p.add_argument("--compile-reps", type=int, default=None, help="compiles per variant for the compile time (default 3)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed calls per variant before timing (default 3)")
+    p.add_argument(
+        "--compile-reps", type=int, default=None, help="timed compiles per variant, after one untimed (default 5)"
+    )
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -488,7 +537,7 @@ def parse_args(argv=None):
     p.add_argument("--dump-dir", default=None, help="also write each step's StableHLO and optimised HLO here")
     args = p.parse_args(argv)
 
-    defaults = dict(rounds=20, batch=256, embed=1024, hidden=4096, warmup=2, compile_reps=3)
+    defaults = dict(rounds=50, batch=256, embed=1024, hidden=4096, warmup=3, compile_reps=5)
     quick = dict(rounds=3, batch=16, embed=64, hidden=128, warmup=1, compile_reps=1)
     for k, v in (quick if args.quick else defaults).items():
         if getattr(args, k) is None:
@@ -505,6 +554,10 @@ def parse_args(argv=None):
             p.error(f"unknown variant {v!r}; choose from {VARIANTS}")
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
+    if args.compile_reps < 1:
+        p.error("--compile-reps must be >= 1")
+    if args.warmup < 1:
+        p.error("--warmup must be >= 1 (the first call compiles)")
     return args
 
 
@@ -514,6 +567,8 @@ def main(argv=None) -> dict[str, Any]:
     def log(msg):
         print(msg, file=sys.stderr, flush=True)
 
+    jax.config.update("jax_enable_compilation_cache", False)  # no persistent cache hits
+    load_before = _loadavg()
     t0 = time.perf_counter()
     log(
         f"fp8ax overhead benchmark: batch {args.batch}, embed {args.embed}, hidden {args.hidden}, "
@@ -547,7 +602,9 @@ def main(argv=None) -> dict[str, Any]:
             "step": "eqx.filter_jit(filter_grad -> partition_for_grad_overwrite -> optax update -> apply_updates)",
             "timing": "per round each variant runs one step in turn (order rotates each round), "
             "jax.block_until_ready; median over rounds",
-            "compile_time": "eqx.filter_jit(step).lower(...).compile() wall time, median over compile_reps",
+            "compile_time": "wall time of eqx.filter_jit(step).lower(...) (trace+lower) and of .compile() (XLA), "
+            "after jax.clear_caches(); lower_compile_s = their sum; medians over compile_reps; "
+            "compile_ratio uses lower_compile_s, xla_compile_ratio only .compile()",
             "op_count": "stablehlo_ops: lines of Lowered.as_text() whose op name starts with 'stablehlo.' "
             "(with or without a result, stablehlo.return included; a private func such as @_where or @clip "
             "counted once however often it is called); stablehlo_ops_inlined: the same with every `call` "
@@ -556,6 +613,8 @@ def main(argv=None) -> dict[str, Any]:
             "*_added_per_layer = (variant - plain) / fp8_layers",
         },
         "total_wall_s": total,
+        "loadavg_before": load_before,
+        "loadavg_after": _loadavg(),
         "results": results,
     }
     if args.out:
