@@ -321,51 +321,64 @@ def _fp8_dot_fwd(st: _Static, lhs, rhs, l_scale, l_hist, r_scale, r_hist, g_scal
     ql, l_used, l_amax = _quantise_operand(recipe, lhs, ls, lh, recipe.fwd_dtype)
     qr, r_used, r_amax = _quantise_operand(recipe, rhs, rs, rh, recipe.fwd_dtype)
     out = _gemm(st, ql, l_used, qr, r_used, st.dims, st.fwd_precision, st.out_dtype, _compute_dtype(st))
-    return out, (ql, qr, l_amax, r_amax, (ls, lh, rs, rh, gs, gh))
+    return out, (ql, qr, l_used, r_used, l_amax, r_amax, (ls, lh, rs, rh, gs, gh))
+
+
+def _transposed_gemm(st, a, a_scale, b, b_scale, a_contract, b_contract, a_batch, b_batch, layout_ab, layout_ba,
+                     precision, out_dtype):
+    """One backward GEMM, with the operand order whose result is already laid out as the
+    gradient's operand (no transpose of the result), if either order gives that."""
+    ref = _compute_dtype(st)
+    if tuple(layout_ab) != tuple(sorted(layout_ab)) and tuple(layout_ba) == tuple(sorted(layout_ba)):
+        out = _gemm(st, b, b_scale, a, a_scale, ((b_contract, a_contract), (b_batch, a_batch)), precision,
+                    out_dtype, ref)
+        layout = layout_ba
+    else:
+        out = _gemm(st, a, a_scale, b, b_scale, ((a_contract, b_contract), (a_batch, b_batch)), precision,
+                    out_dtype, ref)
+        layout = layout_ab
+    if tuple(layout) == tuple(sorted(layout)):
+        return out
+    return jnp.transpose(out, np.argsort(layout))
 
 
 def _fp8_dot_bwd(st: _Static, residuals, g):
     recipe = st.recipe
-    ql, qr, l_amax, r_amax, (ls, lh, rs, rh, gs, gh) = residuals
+    ql, qr, l_used, r_used, l_amax, r_amax, (ls, lh, rs, rh, gs, gh) = residuals
     (lc, rc), (lb, rb) = st.dims
-    lhs_ndim, rhs_ndim = ql.ndim, qr.ndim
-    ref = _compute_dtype(st)
-
-    # Re-merge the forward amaxes: residuals can come back batched under vmap even
-    # where the state is not (merging is idempotent).
-    l_amax = merged_amax(l_amax, ls)
-    r_amax = merged_amax(r_amax, rs)
-    l_used = recipe.scale_for_call(ls, lh, l_amax, _formats.fp8_max(recipe.fwd_dtype))
-    r_used = recipe.scale_for_call(rs, rh, r_amax, _formats.fp8_max(recipe.fwd_dtype))
     qg, g_used, g_amax = _quantise_operand(recipe, g, gs, gh, recipe.grad_dtype)
 
-    # Output layout of dot_general: (batch..., lhs free..., rhs free...).
+    # dot_general's output layout: (batch..., lhs free..., rhs free...).
     nb = len(lb)
-    l_free = _free_dims(lhs_ndim, lc, lb)
-    r_free = _free_dims(rhs_ndim, rc, rb)
+    l_free = _free_dims(ql.ndim, lc, lb)
+    r_free = _free_dims(qr.ndim, rc, rb)
     g_batch = tuple(range(nb))
     g_lfree = tuple(range(nb, nb + len(l_free)))
     g_rfree = tuple(range(nb + len(l_free), nb + len(l_free) + len(r_free)))
+    # rhs contracting dim rc[i] stands for lhs dim lc[i] and vice versa; a GEMM's free
+    # dims come out in axis order.
+    lc_of_rc = tuple(lc[rc.index(d)] for d in sorted(rc))
+    rc_of_lc = tuple(rc[lc.index(d)] for d in sorted(lc))
 
-    # d lhs = g . rhs over rhs's free dims -> (batch, lhs free, rhs's contracting dims in
-    # rhs axis order); rhs contracting dim rc[i] stands for lhs dim lc[i].
-    dl = _gemm(
-        st, qg, g_used, qr, r_used, ((g_rfree, r_free), (g_batch, rb)), st.dlhs_precision, st.lhs_dtype, ref
+    # d lhs: contract g's rhs-free dims with rhs's free dims.
+    dlhs = _transposed_gemm(
+        st, qg, g_used, qr, r_used, g_rfree, r_free, g_batch, rb,
+        layout_ab=tuple(lb) + l_free + lc_of_rc, layout_ba=tuple(lb) + lc_of_rc + l_free,
+        precision=st.dlhs_precision, out_dtype=st.lhs_dtype,
     )
-    dl_layout = tuple(lb) + l_free + tuple(lc[rc.index(d)] for d in sorted(rc))
-    dlhs = jnp.transpose(dl, np.argsort(dl_layout))
-
-    # d rhs = lhs . g over lhs's free dims -> (batch, lhs's contracting dims in lhs axis
-    # order, rhs free); lhs contracting dim lc[i] stands for rhs dim rc[i].
-    dr = _gemm(
-        st, ql, l_used, qg, g_used, ((l_free, g_lfree), (lb, g_batch)), st.drhs_precision, st.rhs_dtype, ref
+    # d rhs: contract g's lhs-free dims with lhs's free dims.
+    drhs = _transposed_gemm(
+        st, ql, l_used, qg, g_used, l_free, g_lfree, lb, g_batch,
+        layout_ab=tuple(rb) + rc_of_lc + r_free, layout_ba=tuple(rb) + r_free + rc_of_lc,
+        precision=st.drhs_precision, out_dtype=st.rhs_dtype,
     )
-    dr_layout = tuple(rb) + tuple(rc[lc.index(d)] for d in sorted(lc)) + r_free
-    drhs = jnp.transpose(dr, np.argsort(dr_layout))
 
+    # New state. Under vmap, residuals can come back batched along data axes where the
+    # state is not; merging them again with max is exact (they are equal copies, or
+    # per-example amaxes whose max is the observation).
     new = []
-    for (scale, hist, used, amax) in ((ls, lh, l_used, l_amax), (rs, rh, r_used, r_amax), (gs, gh, g_used, g_amax)):
-        new.extend(recipe.next_state(used, hist, amax))
+    for scale, hist, used, amax in ((ls, lh, l_used, l_amax), (rs, rh, r_used, r_amax), (gs, gh, g_used, g_amax)):
+        new.extend(recipe.next_state(merged_amax(used, scale), hist, merged_amax(amax, scale)))
     cts = tuple(_to_rep(v.astype(jnp.float32), m) for v, m in zip(new, st.state_is_max))
     return (dlhs, drhs, *cts)
 

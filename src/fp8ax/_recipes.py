@@ -134,18 +134,18 @@ class DelayedScaling(AbstractScalingRecipe):
         return ScalingState.init(self.history_length, batch_shape)
 
     def scale_for_call(self, scale, amax_history, amax, fp8_max):
-        if self.amax_compute_algo == "max":
-            past = jnp.max(amax_history, axis=-1)
-        else:
-            past = amax_history[..., 0]
+        # History entries are >= 0, and all 0 until something is recorded.
+        longest = jnp.max(amax_history, axis=-1)
+        past = longest if self.amax_compute_algo == "max" else amax_history[..., 0]
         if self.calibrate_first_call:
-            past = jnp.where(jnp.all(amax_history == 0, axis=-1), amax, past)
+            past = jnp.where(longest == 0, amax, past)
         # One multiply by a float32 constant, `2**margin / fp8_max` rounded once. Flax's
         # `1 / ((fp8_max / amax) / 2**margin)` is the same number mathematically, but XLA
         # simplifies it differently in different programs (inside `lax.scan` or not),
         # which would make the state depend by an ulp on how a layer was called.
         new = past * jnp.float32(2.0**self.margin / fp8_max)
-        ok = jnp.isfinite(past) & (past > 0) & jnp.isfinite(new) & (new > 0)
+        # Covers a zero, NaN or inf amax, and a product that under/overflows.
+        ok = jnp.isfinite(new) & (new > 0)
         return jnp.where(ok, new, scale)
 
     def next_state(self, scale_used, amax_history, amax):
