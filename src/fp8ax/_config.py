@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._dot_general import _MODES, Fp8DotGeneral, Mode, _check_precision
+from ._dot_general import Fp8DotGeneral, Mode, _check_precision, _check_recipe_and_mode
 from ._recipes import AbstractScalingRecipe, DelayedScaling
 
 Targets = None | str | Sequence[str] | Callable[[str, Any], bool]
@@ -72,13 +72,7 @@ class Fp8Config(eqx.Module):
         self.drhs_precision = _check_precision(drhs_precision, "drhs_precision")
 
     def __check_init__(self):
-        if not isinstance(self.recipe, AbstractScalingRecipe):
-            raise TypeError(
-                f"`recipe` must be an `fp8ax.AbstractScalingRecipe` such as `fp8ax.DelayedScaling()`, "
-                f"got {type(self.recipe).__name__}."
-            )
-        if self.mode not in _MODES:
-            raise ValueError(f"`mode` must be one of {_MODES}, got {self.mode!r}.")
+        _check_recipe_and_mode(self.recipe, self.mode)
         if isinstance(self.min_features, bool) or not isinstance(self.min_features, int | np.integer):
             raise TypeError(f"`min_features` must be an int >= 0, got {self.min_features!r}.")
         if self.min_features < 0:

@@ -32,6 +32,16 @@ def _check_precision(value, argname: str):
     raise TypeError(f"`{argname}` must be None or a `jax.lax.Precision`, got {value!r}.")
 
 
+def _check_recipe_and_mode(recipe, mode) -> None:
+    if not isinstance(recipe, AbstractScalingRecipe):
+        raise TypeError(
+            f"`recipe` must be an `fp8ax.AbstractScalingRecipe` such as `fp8ax.DelayedScaling()`, "
+            f"got {type(recipe).__name__}."
+        )
+    if mode not in _MODES:
+        raise ValueError(f"`mode` must be one of {_MODES}, got {mode!r}.")
+
+
 class Fp8DotGeneral(OverwriteWithGradient):
     """FP8 drop-in for `jax.lax.dot_general`, with per-tensor delayed scaling.
 
@@ -56,13 +66,7 @@ class Fp8DotGeneral(OverwriteWithGradient):
     drhs_precision: lax.Precision | None = eqx.field(static=True)
 
     def __check_init__(self):
-        if not isinstance(self.recipe, AbstractScalingRecipe):
-            raise TypeError(
-                f"`recipe` must be an `fp8ax.AbstractScalingRecipe` such as `fp8ax.DelayedScaling()`, "
-                f"got {type(self.recipe).__name__}."
-            )
-        if self.mode not in _MODES:
-            raise ValueError(f"`mode` must be one of {_MODES}, got {self.mode!r}.")
+        _check_recipe_and_mode(self.recipe, self.mode)
         for name in ("lhs", "rhs", "grad"):
             if not isinstance(getattr(self, name), ScalingState | None):
                 raise TypeError(f"`{name}` must be an `fp8ax.ScalingState`, got {type(getattr(self, name)).__name__}.")
@@ -105,11 +109,7 @@ class Fp8DotGeneral(OverwriteWithGradient):
         """
         if recipe is None:
             recipe = DelayedScaling()
-        if not isinstance(recipe, AbstractScalingRecipe):
-            raise TypeError(
-                f"`recipe` must be an `fp8ax.AbstractScalingRecipe` such as `fp8ax.DelayedScaling()`, "
-                f"got {type(recipe).__name__}."
-            )
+        _check_recipe_and_mode(recipe, mode)
         if compute_dtype is not None:
             try:
                 compute_dtype = np.dtype(compute_dtype)
