@@ -37,3 +37,10 @@ def test_report_counts_plain_functions():
     assert (r.lowered_fp8, r.lowered_total) == (1, 1)
     r = fp8ax.gemm_report(eqx.filter_jit(f), jnp.ones((4, 8)), jnp.ones((8, 2)))
     assert (r.lowered_fp8, r.lowered_total) == (0, 1)
+
+
+def test_report_needs_a_callable():
+    import pytest
+
+    with pytest.raises(TypeError, match="`fn` must be a callable"):
+        fp8ax.gemm_report("step")

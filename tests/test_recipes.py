@@ -109,3 +109,12 @@ def test_hand_replay_five_steps(recipe, getkey):
         # quantised operands (float64 here, float32 accumulation there: rtol 1e-5).
         ref = (_q(x, sl, ml_dtypes.float8_e4m3fn, 448.0) @ _q(w, sr, ml_dtypes.float8_e4m3fn, 448.0)) * (sl * sr)
         np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+
+
+def test_scaling_state_init():
+    st = fp8ax.ScalingState.init(4, (2,))
+    assert st.scale.shape == (2,) and st.amax_history.shape == (2, 4)
+    np.testing.assert_array_equal(np.asarray(st.scale), 1.0)
+    np.testing.assert_array_equal(np.asarray(st.amax_history), 0.0)
+    with pytest.raises(ValueError, match="`history_length` must be an int >= 1, got 0"):
+        fp8ax.ScalingState.init(0)

@@ -7,7 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ._dot_general import Fp8DotGeneral, Mode, _check_precision, _check_recipe_and_mode
+from ._dot_general import (
+    Fp8DotGeneral,
+    Mode,
+    _check_compute_dtype,
+    _check_precision,
+    _check_recipe_and_mode,
+)
 from ._recipes import AbstractScalingRecipe, DelayedScaling
 
 Targets = None | str | Sequence[str] | Callable[[str, Any], bool]
@@ -124,12 +130,3 @@ def _check_targets(targets):
         f"(path, layer) -> bool, got {type(targets).__name__}."
     )
 
-
-def _check_compute_dtype(value):
-    try:
-        dtype = np.dtype(value)
-    except TypeError:
-        raise TypeError(f"`compute_dtype` must be None or a floating dtype, got {value!r}.") from None
-    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 2:
-        raise TypeError(f"`compute_dtype` must be a floating dtype wider than 8 bits, got {dtype}.")
-    return dtype

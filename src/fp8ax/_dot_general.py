@@ -32,6 +32,16 @@ def _check_precision(value, argname: str):
     raise TypeError(f"`{argname}` must be None or a `jax.lax.Precision`, got {value!r}.")
 
 
+def _check_compute_dtype(value) -> np.dtype:
+    try:
+        dtype = np.dtype(value)
+    except TypeError:
+        raise TypeError(f"`compute_dtype` must be None or a floating dtype, got {value!r}.") from None
+    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 2:
+        raise TypeError(f"`compute_dtype` must be a floating dtype wider than 8 bits, got {dtype}.")
+    return dtype
+
+
 def _check_recipe_and_mode(recipe, mode) -> None:
     if not isinstance(recipe, AbstractScalingRecipe):
         raise TypeError(
@@ -111,12 +121,7 @@ class Fp8DotGeneral(OverwriteWithGradient):
             recipe = DelayedScaling()
         _check_recipe_and_mode(recipe, mode)
         if compute_dtype is not None:
-            try:
-                compute_dtype = np.dtype(compute_dtype)
-            except TypeError:
-                raise TypeError(f"`compute_dtype` must be None or a floating dtype, got {compute_dtype!r}.") from None
-            if not jnp.issubdtype(compute_dtype, jnp.floating) or compute_dtype in _formats.FP8_DTYPES:
-                raise TypeError(f"`compute_dtype` must be a floating dtype wider than 8 bits, got {compute_dtype}.")
+            compute_dtype = _check_compute_dtype(compute_dtype)
         batch_shape = tuple(int(b) for b in batch_shape)
         return cls(
             lhs=recipe.init_state(batch_shape),
@@ -329,7 +334,11 @@ def _transposed_gemm(st, a, a_scale, b, b_scale, a_contract, b_contract, a_batch
     """One backward GEMM, with the operand order whose result is already laid out as the
     gradient's operand (no transpose of the result), if either order gives that."""
     ref = _compute_dtype(st)
-    if tuple(layout_ab) != tuple(sorted(layout_ab)) and tuple(layout_ba) == tuple(sorted(layout_ba)):
+
+    def in_order(layout):
+        return list(layout) == sorted(layout)
+
+    if not in_order(layout_ab) and in_order(layout_ba):
         out = _gemm(st, b, b_scale, a, a_scale, ((b_contract, a_contract), (b_batch, a_batch)), precision,
                     out_dtype, ref)
         layout = layout_ba
@@ -337,9 +346,7 @@ def _transposed_gemm(st, a, a_scale, b, b_scale, a_contract, b_contract, a_batch
         out = _gemm(st, a, a_scale, b, b_scale, ((a_contract, b_contract), (a_batch, b_batch)), precision,
                     out_dtype, ref)
         layout = layout_ab
-    if tuple(layout) == tuple(sorted(layout)):
-        return out
-    return jnp.transpose(out, np.argsort(layout))
+    return out if in_order(layout) else jnp.transpose(out, np.argsort(layout))
 
 
 def _fp8_dot_bwd(st: _Static, residuals, g):

@@ -84,6 +84,8 @@ def gemm_report(fn: Callable, *args, **kwargs) -> GemmReport:
         assert report.all_fp8, report
         ```
     """
+    if not callable(fn):
+        raise TypeError(f"`fn` must be a callable (e.g. a training step), got {type(fn).__name__}.")
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     lowered = jitted.lower(*args, **kwargs)
     lowered = getattr(lowered, "lowered", lowered)  # eqx.filter_jit wraps JAX's `Lowered`

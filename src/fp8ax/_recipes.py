@@ -72,12 +72,13 @@ class DelayedScaling(AbstractScalingRecipe):
     `scale` is the *dequantisation* scale: quantise as `x / scale`.
     """
 
-    history_length: int = eqx.field(static=True, default=1024)
-    margin: int = eqx.field(static=True, default=0)
-    amax_compute_algo: Literal["max", "most_recent"] = eqx.field(static=True, default="max")
-    calibrate_first_call: bool = eqx.field(static=True, default=True)
-    fwd_dtype: np.dtype = eqx.field(static=True, default=jnp.float8_e4m3fn, converter=_fwd_dtype)
-    grad_dtype: np.dtype = eqx.field(static=True, default=jnp.float8_e5m2, converter=_grad_dtype)
+    # Defaults live in `__init__` only.
+    history_length: int = eqx.field(static=True)
+    margin: int = eqx.field(static=True)
+    amax_compute_algo: Literal["max", "most_recent"] = eqx.field(static=True)
+    calibrate_first_call: bool = eqx.field(static=True)
+    fwd_dtype: np.dtype = eqx.field(static=True, converter=_fwd_dtype)
+    grad_dtype: np.dtype = eqx.field(static=True, converter=_grad_dtype)
 
     def __init__(
         self,

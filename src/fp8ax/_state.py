@@ -40,6 +40,8 @@ class ScalingState:
     @classmethod
     def init(cls, history_length: int, batch_shape: tuple[int, ...] = ()) -> "ScalingState":
         """Fresh state: scale 1, empty (all-zero) history."""
+        if isinstance(history_length, bool) or not isinstance(history_length, int | np.integer) or history_length < 1:
+            raise ValueError(f"`history_length` must be an int >= 1, got {history_length!r}.")
         return cls(
             jnp.ones(batch_shape, jnp.float32),
             jnp.zeros((*batch_shape, history_length), jnp.float32),
