@@ -118,27 +118,73 @@ def test_layer_under_vmap_and_scan(getkey):
     _assert_same_state(_state(eqx.filter_grad(loss)(dg)), _single_use(dg, list(xs), w, list(gys)))
 
 
-def test_nan_input_never_enters_the_state(getkey):
+@pytest.mark.parametrize("operand", ["lhs", "rhs", "grad"])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_values_never_enter_the_state(operand, bad, getkey):
     dg = _trained(getkey)
-    w = jax.random.normal(getkey(), (8, 3))
-    x = jax.random.normal(getkey(), (4, 8)).at[1, 2].set(jnp.nan)
-    gy = jax.random.normal(getkey(), (4, 3))
+    x, w, gy = jax.random.normal(getkey(), (4, 8)), jax.random.normal(getkey(), (8, 3)), jax.random.normal(getkey(), (4, 3))
+    clean = {"lhs": x, "rhs": w, "grad": gy}
+    poisoned = dict(clean)
+    poisoned[operand] = clean[operand].at[1, 2].set(bad)
 
-    def loss(dg, x):
-        return jnp.sum(dg(x, w, DIMS) * gy)
+    def loss(dg, t):
+        return jnp.sum(dg(t["lhs"], t["rhs"], DIMS) * t["grad"])
 
-    y = dg(x, w, DIMS)
-    assert bool(jnp.all(jnp.isnan(y[1]))) and bool(jnp.all(jnp.isfinite(y[0])))  # as plain JAX would
-    overwrite, _ = fp8ax.partition_for_grad_overwrite(eqx.filter_grad(loss)(dg, x))
-    new = fp8ax.apply_updates(dg, None, overwrite)
-    for a, b in zip(jax.tree.leaves(dg.lhs), jax.tree.leaves(new.lhs)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    # The next finite step is normal.
-    x_ok = jnp.nan_to_num(x)
-    overwrite, _ = fp8ax.partition_for_grad_overwrite(eqx.filter_grad(loss)(new, x_ok))
-    newer = fp8ax.apply_updates(new, None, overwrite)
-    assert float(newer.lhs.amax_history[0]) == float(jnp.max(jnp.abs(x_ok)))
-    assert bool(jnp.all(jnp.isfinite(newer(x_ok, w, DIMS))))
+    # The result is non-finite exactly where plain JAX's is (an inf may come out as NaN,
+    # as E4M3 has no inf).
+    if operand != "grad":
+        y = dg(poisoned["lhs"], poisoned["rhs"], DIMS)
+        plain = jax.lax.dot_general(poisoned["lhs"], poisoned["rhs"], DIMS)
+        np.testing.assert_array_equal(np.isfinite(np.asarray(y)), np.isfinite(np.asarray(plain)))
+    else:
+        dx = eqx.filter_grad(lambda x: jnp.sum(dg(x, w, DIMS) * poisoned["grad"]))(x)
+        plain = jax.grad(lambda x: jnp.sum(jax.lax.dot_general(x, w, DIMS) * poisoned["grad"]))(x)
+        np.testing.assert_array_equal(np.isfinite(np.asarray(dx)), np.isfinite(np.asarray(plain)))
+    new = fp8ax.apply_updates(dg, None, fp8ax.partition_for_grad_overwrite(eqx.filter_grad(loss)(dg, poisoned))[0])
+    want = fp8ax.apply_updates(dg, None, fp8ax.partition_for_grad_overwrite(eqx.filter_grad(loss)(dg, clean))[0])
+    for name in ("lhs", "rhs", "grad"):
+        # The poisoned operand's state is untouched; the others update as on clean data.
+        expect = getattr(dg if name == operand else want, name)
+        for a, b in zip(jax.tree.leaves(expect), jax.tree.leaves(getattr(new, name))):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    # The next finite step is normal: it records the clean amax.
+    newer = fp8ax.apply_updates(new, None, fp8ax.partition_for_grad_overwrite(eqx.filter_grad(loss)(new, clean))[0])
+    assert float(getattr(newer, operand).amax_history[0]) == float(jnp.max(jnp.abs(clean[operand])))
+    assert bool(jnp.all(jnp.isfinite(newer(x, w, DIMS))))
+
+
+@pytest.mark.parametrize("loop", ["python", "fori_loop"])
+def test_layer_in_a_pipeline_style_loop(loop, getkey):
+    # The same layer applied repeatedly to its own output (shared-parameter stages).
+    # Expectation: one use on the concatenation of what every stage saw, where the inputs
+    # come from the forward pass and each stage's output gradient from a zero probe.
+    dg = _trained(getkey)
+    w = 0.5 * jax.random.normal(getkey(), (8, 8))
+    x0 = jax.random.normal(getkey(), (4, 8))
+    stages = 4
+
+    def run(dg, probes):
+        def stage(i, x):
+            return jnp.tanh(dg(x, w, DIMS) + probes[i]) * (i + 1.0)
+
+        if loop == "python":
+            x, xs = x0, []
+            for i in range(stages):
+                xs.append(x)
+                x = stage(i, x)
+            return jnp.sum(x**2), xs
+        return jax.lax.fori_loop(0, stages, stage, x0) ** 2, None
+
+    zeros = jnp.zeros((stages, 4, 8))
+    if loop == "python":
+        _, xs = run(dg, zeros)
+    else:
+        xs = [x0]
+        for i in range(stages - 1):
+            xs.append(jnp.tanh(dg(xs[-1], w, DIMS)) * (i + 1.0))
+    gys = jax.grad(lambda p: jnp.sum(run(dg, p)[0]))(zeros)
+    got = _state(eqx.filter_grad(lambda dg: jnp.sum(run(dg, zeros)[0]))(dg))
+    _assert_same_state(got, _single_use(dg, xs, w, list(gys)))
 
 
 def test_all_zero_tensor_keeps_the_scale(getkey):

@@ -7,12 +7,13 @@ from ._config import Fp8Config as Fp8Config
 from ._recipes import AbstractScalingRecipe as AbstractScalingRecipe, DelayedScaling as DelayedScaling
 
 # top level UX
-from ._transform import fp8_linear_layers as fp8_linear_layers
+from ._transform import fp8_linear_layers as fp8_linear_layers, strip_fp8 as strip_fp8
 from ._update import (
     OverwriteWithGradient as OverwriteWithGradient,
     apply_updates as apply_updates,
     partition_for_grad_overwrite as partition_for_grad_overwrite,
 )
+from ._accumulate import accumulate_gradients as accumulate_gradients, microbatched as microbatched
 from ._cast import cast_floating as cast_floating
 from ._inspect import GemmReport as GemmReport, gemm_report as gemm_report
 

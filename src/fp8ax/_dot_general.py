@@ -224,6 +224,20 @@ class Fp8DotGeneral(OverwriteWithGradient):
             is_leaf=lambda x: isinstance(x, ScalingState),
         )
 
+    # Haliax state dicts (`haliax.state_dict.to_state_dict`, Hugging Face export) hold
+    # weights only: the FP8 state is training state, kept by training checkpoints
+    # (`eqx.tree_serialise_leaves`), so a converted model exports exactly the keys and
+    # values of the plain model and imports plain weights unchanged.
+    def to_state_dict(self, prefix: str | None = None) -> dict:
+        """Haliax state-dict hook: no entries (the FP8 state is not part of exports)."""
+        del prefix
+        return {}
+
+    def from_state_dict(self, state_dict: dict, prefix: str | None = None) -> "Fp8DotGeneral":
+        """Haliax state-dict hook: keeps this module's FP8 state as it is."""
+        del state_dict, prefix
+        return self
+
 
 def _check_operand(x, argname: str) -> Array:
     if not isinstance(x, jax.Array | np.ndarray | np.generic):

@@ -31,13 +31,17 @@ def quantize(x: ArrayLike, scale: ArrayLike, dtype: np.dtype) -> Array:
 
     The division is computed as `x * (1 / scale)`, both in float32 whatever `x`'s dtype:
     XLA rewrites a division by a broadcast scalar into exactly this, so we write it out to
-    make the result well defined (and testable bit for bit). Values beyond the format's
-    range saturate to +-max instead of becoming inf; NaN stays NaN.
+    make the result well defined (and testable bit for bit). Finite values beyond the
+    format's range saturate to +-max instead of becoming inf. Non-finite inputs stay
+    non-finite: NaN stays NaN, and +-inf becomes the format's inf (E5M2) or NaN (the
+    formats without inf), so a diverging tensor shows in the result as it would without
+    FP8 instead of being clipped into a plausible number.
     """
     bound = fp8_max(dtype)
     inv = jnp.float32(1.0) / jnp.asarray(scale, jnp.float32)
-    scaled = jnp.asarray(x).astype(jnp.float32) * inv
-    return jnp.clip(scaled, -bound, bound).astype(dtype)
+    xf = jnp.asarray(x).astype(jnp.float32)
+    clipped = jnp.clip(xf * inv, -bound, bound)
+    return jnp.where(jnp.isinf(xf), xf, clipped).astype(dtype)
 
 
 def dequantize(q: ArrayLike, scale: ArrayLike, dtype) -> Array:

@@ -232,3 +232,37 @@ def fp8_linear_layers(module: T, config: Fp8Config | None = None) -> T:
             "an input or output smaller than that), so nothing was converted. Lower `min_features`."
         )
     return out
+
+
+def _has_fp8_dot_general(layer: Any) -> bool:
+    return isinstance(layer, hnn.Linear) and isinstance(layer.dot_general, Fp8DotGeneral | haxq.Fp8DotGeneralOp)
+
+
+def strip_fp8(module: T) -> T:
+    """Undoes [`fp8ax.fp8_linear_layers`][]: plain linear layers with the same weights.
+
+    Every [`fp8ax.Fp8Linear`][] becomes the `equinox.nn.Linear` it was built from, and
+    every `haliax.nn.Linear` whose `dot_general` is an [`fp8ax.Fp8DotGeneral`][] (or
+    Haliax's own `Fp8DotGeneralOp`) gets Haliax's default `dot_general` back. Weights and
+    biases are the same arrays; the FP8 state is dropped. Everything else is untouched,
+    and a tree with nothing to strip is returned as it is.
+
+    **Arguments:**
+
+    - `module`: any PyTree, typically a model converted by [`fp8ax.fp8_linear_layers`][].
+
+    **Returns:**
+
+    The model with plain, high-precision linear layers. Its PyTree structure is that of
+    the model before conversion, so a checkpoint of the unconverted model loads into it
+    with `eqx.tree_deserialise_leaves`.
+    """
+
+    def strip(node):
+        if isinstance(node, Fp8Linear):
+            return node.to_linear()
+        if _has_fp8_dot_general(node):
+            return dataclasses.replace(node, dot_general=haxq.DotGeneralOp.default())
+        return node
+
+    return jtu.tree_map(strip, module, is_leaf=lambda x: isinstance(x, Fp8Linear) or _has_fp8_dot_general(x))

@@ -70,7 +70,8 @@ def apply_updates(model: T, updates: T, overwrite: T) -> T:
 
     - `model`: the model being trained.
     - `updates`: the optimiser's updates for the ordinary parameters (the second output of
-      [`fp8ax.partition_for_grad_overwrite`][] after `opt.update`).
+      [`fp8ax.partition_for_grad_overwrite`][] after `opt.update`), or `None` to write
+      the FP8 state only.
     - `overwrite`: the first output of [`fp8ax.partition_for_grad_overwrite`][].
 
     **Returns:**
@@ -84,6 +85,9 @@ def apply_updates(model: T, updates: T, overwrite: T) -> T:
     `updates` holds values for FP8 state (the gradients went to the optimiser without
     being partitioned, which would treat the new state as a gradient).
     """
+
+    if updates is None:
+        updates = jtu.tree_map(lambda _: None, model, is_leaf=_is_owg)
 
     def _apply(path, m, u, o):
         if _is_owg(m):
