@@ -2,6 +2,7 @@
 
     python examples/haliax_mlp.py             # 100 steps, a few seconds on a CPU
     python examples/haliax_mlp.py --steps 500
+    python examples/haliax_mlp.py --microbatches 4   # gradient accumulation over 4 microbatches
 """
 
 import argparse
@@ -55,7 +56,19 @@ def step(model, opt_state, batch):
 # --8<-- [end:step]
 
 
-def main(steps: int = 100):
+# --8<-- [start:microbatch_step]
+@eqx.filter_jit
+def microbatch_step(model, opt_state, x, y, k):
+    # `loss_fn` is a mean, so the gradients are averaged over the k microbatches
+    # (`average=True`); the FP8 state is merged with max, never divided.
+    grad_fn = fp8ax.microbatched(lambda m, x, y: eqx.filter_grad(loss_fn)(m, (x, y)), k, average=True)
+    overwrite, grads = fp8ax.partition_for_grad_overwrite(grad_fn(model, x, y))
+    updates, opt_state = opt.update(grads, opt_state, params=model)
+    return fp8ax.apply_updates(model, updates, overwrite), opt_state
+# --8<-- [end:microbatch_step]
+
+
+def main(steps: int = 100, microbatches: int = 1):
     k_model, k_x, k_w = jax.random.split(jax.random.PRNGKey(0), 3)
     # A fixed regression problem: y = tanh(x . w_true).
     x = hax.random.normal(k_x, (Batch, In))
@@ -75,7 +88,10 @@ def main(steps: int = 100):
     for i in range(steps):
         if i % every == 0:
             print(f"step {i:4d}  loss {float(evaluate(model, batch)):.4f}")
-        model, opt_state = step(model, opt_state, batch)
+        if microbatches > 1:
+            model, opt_state = microbatch_step(model, opt_state, x, y, microbatches)
+        else:
+            model, opt_state = step(model, opt_state, batch)
     print(f"step {steps:4d}  loss {float(evaluate(model, batch)):.4f}")
 
     # --8<-- [start:inspect]
@@ -87,4 +103,6 @@ def main(steps: int = 100):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100, help="training steps (default 100)")
-    main(steps=parser.parse_args().steps)
+    parser.add_argument("--microbatches", type=int, default=1, help="split each batch into this many (default 1)")
+    args = parser.parse_args()
+    main(steps=args.steps, microbatches=args.microbatches)

@@ -17,12 +17,22 @@ def test_there_are_examples():
     assert {p.name for p in EXAMPLES} >= {"demo.py", "haliax_mlp.py", "equinox_mlp.py", "named_axis_dot.py"}
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
-def test_example_runs(path):
+def _run_example(path, *args):
     proc = subprocess.run(
-        [sys.executable, str(path), "--steps", "3"], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, str(path), "--steps", "3", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc.stdout
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_runs(path):
+    _run_example(path)
+
+
+def test_microbatched_example_runs():
+    out = _run_example(ROOT / "examples" / "haliax_mlp.py", "--microbatches", "4")
+    assert "step    3  loss" in out
 
 
 def test_every_public_name_is_in_the_api_reference():
