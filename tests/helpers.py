@@ -37,6 +37,40 @@ class HaliaxMLP(eqx.Module):
         return self.down_proj(hax.nn.relu(self.up_proj(x)))
 
 
+Layers = hax.Axis("Layers", 3)
+
+
+class Block(eqx.Module):
+    """A residual MLP block, stacked by `Deep`."""
+
+    mlp: HaliaxMLP
+
+    @staticmethod
+    def init(*, key):
+        return Block(HaliaxMLP.init(In, Mid, In, key=key))
+
+    def __call__(self, x):
+        return x + self.mlp(x)
+
+
+class Deep(eqx.Module):
+    """`Layers` stacked `Block`s (`haliax.nn.Stacked`) and a linear head."""
+
+    blocks: hax.nn.Stacked
+    head: hax.nn.Linear
+
+    @staticmethod
+    def init(*, key, gradient_checkpointing=False):
+        k1, k2 = jax.random.split(key)
+        blocks = hax.nn.Stacked.init(Layers, Block, gradient_checkpointing=gradient_checkpointing)(
+            key=jax.random.split(k1, Layers.size)
+        )
+        return Deep(blocks, hax.nn.Linear.init(In, Out, key=k2))
+
+    def __call__(self, x):
+        return self.head(self.blocks.fold(x))
+
+
 def mse(model, x, y):
     return hax.mean((model(x) - y) ** 2).scalar()
 

@@ -7,37 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Batch, HaliaxMLP, In, Mid, Out, mse, sgd_step, sqnr
+from helpers import Batch, Block, Deep, HaliaxMLP, In, Layers, Mid, Out, mse, sgd_step, sqnr
 
 import fp8ax
-
-
-class Block(eqx.Module):
-    mlp: HaliaxMLP
-
-    @staticmethod
-    def init(*, key):
-        return Block(HaliaxMLP.init(In, Mid, In, key=key))
-
-    def __call__(self, x):
-        return x + self.mlp(x)
-
-
-Layers = hax.Axis("Layers", 3)
-
-
-class Deep(eqx.Module):
-    blocks: hax.nn.Stacked
-    head: hax.nn.Linear
-
-    @staticmethod
-    def init(*, key):
-        k1, k2 = jax.random.split(key)
-        blocks = hax.nn.Stacked.init(Layers, Block)(key=jax.random.split(k1, Layers.size))
-        return Deep(blocks, hax.nn.Linear.init(In, Out, key=k2))
-
-    def __call__(self, x):
-        return self.head(self.blocks.fold(x))
 
 
 def _converted_paths(model):

@@ -3,7 +3,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import equinox as eqx
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 

@@ -1,0 +1,283 @@
+"""Checkpoints lose nothing (issue 3, item 5).
+
+- `eqx.tree_serialise_leaves` saves a converted model's weights *and* FP8 state, and a
+  training run resumed from a checkpoint continues bit-for-bit.
+- Haliax state dicts (`haliax.state_dict`, the Hugging Face export path) of a converted
+  model hold exactly the plain model's weights, and importing plain weights keeps the FP8
+  state. Haliax's own FP8 quantisation adds extra keys, which is what fp8ax avoids.
+- `fp8ax.strip_fp8` gives back the plain model, so plain checkpoints load into converted
+  models with one line.
+"""
+
+import io
+
+import equinox as eqx
+import haliax as hax
+import haliax.quantization as haxq
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from haliax.state_dict import from_state_dict, to_state_dict
+from helpers import Batch, Deep, HaliaxMLP, In, Layers, Mid, Out, mse, sgd_step
+
+import fp8ax
+
+# --------------------------------------------------------------------------- models
+
+def _eqx_mlp(key):
+    return eqx.nn.MLP(In.size, Out.size, width_size=Mid.size, depth=1, key=key)
+
+
+def _eqx_mse(model, x, y):
+    return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+
+def _haliax_data(getkey):
+    return hax.random.normal(getkey(), (Batch, In)), hax.random.normal(getkey(), (Batch, Out))
+
+
+def _eqx_data(getkey):
+    return jax.random.normal(getkey(), (Batch.size, In.size)), jax.random.normal(getkey(), (Batch.size, Out.size))
+
+
+def _states(model):
+    """Every FP8 dot general in `model`."""
+    is_dg = lambda x: isinstance(x, fp8ax.Fp8DotGeneral)  # noqa: E731
+    return [x for x in jax.tree.leaves(model, is_leaf=is_dg) if is_dg(x)]
+
+
+def _assert_trees_bit_equal(a, b):
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    assert ta == tb
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        assert np.asarray(x).dtype == np.asarray(y).dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _trees_differ(a, b) -> bool:
+    return any(not np.array_equal(np.asarray(x), np.asarray(y)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _round_trip(tree, like):
+    buf = io.BytesIO()
+    eqx.tree_serialise_leaves(buf, tree)
+    buf.seek(0)
+    return eqx.tree_deserialise_leaves(buf, like)
+
+
+# ------------------------------------------------ 1. tree_serialise_leaves round trip
+
+
+def test_serialise_round_trip_haliax(getkey):
+    x, y = _haliax_data(getkey)
+    model = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
+    step = sgd_step(mse)
+    for _ in range(3):
+        model = step(model, x, y)
+    # The state is non-trivial: three amaxes recorded, scales moved off 1.
+    assert np.count_nonzero(np.asarray(model.up_proj.dot_general.lhs.amax_history)) == 3
+    assert float(model.down_proj.dot_general.grad.scale) != 1.0
+
+    template = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
+    assert _trees_differ(template, model)
+    loaded = _round_trip(model, template)
+    _assert_trees_bit_equal(loaded, model)
+    assert isinstance(loaded.up_proj.dot_general, fp8ax.Fp8DotGeneral)
+
+
+def test_serialise_round_trip_equinox_mlp(getkey):
+    x, y = _eqx_data(getkey)
+    model = fp8ax.fp8_linear_layers(_eqx_mlp(getkey()))
+    step = sgd_step(_eqx_mse)
+    for _ in range(3):
+        model = step(model, x, y)
+    assert np.count_nonzero(np.asarray(model.layers[0].dot_general.rhs.amax_history)) == 3
+
+    template = fp8ax.fp8_linear_layers(_eqx_mlp(getkey()))
+    assert _trees_differ(template, model)
+    loaded = _round_trip(model, template)
+    _assert_trees_bit_equal(loaded, model)
+    assert all(isinstance(layer, fp8ax.Fp8Linear) for layer in loaded.layers)
+
+
+# --------------------------------------------------------------------- 2. resume
+
+
+def test_resume_from_checkpoint_is_bit_exact(getkey):
+    opt = optax.adam(1e-2)
+    batches = [_haliax_data(getkey) for _ in range(10)]
+
+    @eqx.filter_jit
+    def step(model, opt_state, x, y):
+        loss, grads = eqx.filter_value_and_grad(mse)(model, x, y)
+        overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes its int step count with floats
+            updates, opt_state = opt.update(grads, opt_state, params=model)
+        return fp8ax.apply_updates(model, updates, overwrite), opt_state, loss
+
+    def init(key):
+        model = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=key))
+        return model, opt.init(fp8ax.partition_for_grad_overwrite(model)[1])
+
+    def run(model, opt_state, batches):
+        losses = []
+        for x, y in batches:
+            model, opt_state, loss = step(model, opt_state, x, y)
+            losses.append(float(loss))
+        return model, opt_state, losses
+
+    model, opt_state, _ = run(*init(getkey()), batches[:5])
+    buf = io.BytesIO()
+    eqx.tree_serialise_leaves(buf, (model, opt_state))
+
+    final_model, final_opt_state, losses = run(model, opt_state, batches[5:])
+
+    buf.seek(0)
+    fresh = init(getkey())
+    assert _trees_differ(fresh[0], model)
+    resumed_model, resumed_opt_state = eqx.tree_deserialise_leaves(buf, fresh)
+    resumed_model, resumed_opt_state, resumed_losses = run(resumed_model, resumed_opt_state, batches[5:])
+
+    assert resumed_losses == losses
+    _assert_trees_bit_equal(resumed_model, final_model)
+    _assert_trees_bit_equal(resumed_opt_state, final_opt_state)
+
+    # Contrast: the same weights and optimiser state with *fresh* FP8 state do not
+    # resume the run exactly, so the FP8 state in the checkpoint is load-bearing.
+    reset = fp8ax.fp8_linear_layers(fp8ax.strip_fp8(model))
+    _, _, reset_losses = run(reset, opt_state, batches[5:])
+    assert reset_losses != losses
+
+
+# ------------------------------------------------------------ 3. Haliax state dicts
+
+
+def _assert_state_dicts_equal(a, b):
+    assert list(a) == list(b)
+    for k in a:
+        np.testing.assert_array_equal(np.asarray(a[k]), np.asarray(b[k]), err_msg=k)
+
+
+def test_state_dict_export_equals_plain_model(getkey):
+    for plain in (HaliaxMLP.init(key=getkey()), Deep.init(key=getkey())):
+        converted = fp8ax.fp8_linear_layers(plain)
+        assert _states(converted)
+        _assert_state_dicts_equal(to_state_dict(converted), to_state_dict(plain))
+
+
+def test_state_dict_of_stacked_model_has_per_layer_keys(getkey):
+    plain = Deep.init(key=getkey())
+    sd = to_state_dict(fp8ax.fp8_linear_layers(plain))
+    # One entry per stacked layer (Haliax unstacks the Block axis), and no FP8 state.
+    per_layer = [f"blocks.{i}.mlp.{lin}.{p}" for i in range(Layers.size) for lin in ("up_proj", "down_proj")
+                 for p in ("weight", "bias")]
+    assert sorted(sd) == sorted(per_layer + ["head.weight", "head.bias"])
+    np.testing.assert_array_equal(
+        np.asarray(sd["blocks.1.mlp.up_proj.weight"]), np.asarray(plain.blocks.stacked.mlp.up_proj.weight.array[1])
+    )
+
+
+def test_state_dict_import_keeps_fp8_state(getkey):
+    for make in (HaliaxMLP.init, Deep.init):
+        data = _haliax_data(getkey)
+        plain = make(key=getkey())
+        template = sgd_step(mse)(fp8ax.fp8_linear_layers(make(key=getkey())), *data)  # non-fresh state
+        assert all(float(np.max(np.asarray(dg.lhs.amax_history))) > 0 for dg in _states(template))
+
+        loaded = from_state_dict(template, to_state_dict(plain))
+        # Weights and biases come from the plain state dict...
+        _assert_trees_bit_equal(fp8ax.strip_fp8(loaded), plain)
+        # ... the FP8 state is the template's.
+        _assert_trees_bit_equal(_states(loaded), _states(template))
+
+
+def test_haliax_quantization_adds_state_dict_keys(getkey):
+    # Regression contrast: Haliax's own FP8 puts its scales and histories into the
+    # export, so a converted model's checkpoint would not match the plain model's.
+    plain = HaliaxMLP.init(key=getkey())
+    ours = set(to_state_dict(fp8ax.fp8_linear_layers(plain)))
+    theirs = set(to_state_dict(haxq.quantize_linear_layers(plain, haxq.QuantizationConfig(fp8=True))))
+    assert ours == set(to_state_dict(plain))
+    assert theirs > ours
+    extra = theirs - ours
+    assert all(".dot_general." in k for k in extra)
+    assert "up_proj.dot_general.input_amax_history" in extra
+
+
+# ------------------------------------------- 4. plain checkpoint into converted model
+
+
+def test_plain_checkpoint_loads_into_converted_model(getkey, tmp_path):
+    config = fp8ax.Fp8Config(recipe=fp8ax.DelayedScaling(history_length=16))
+    for make, loss, data in ((HaliaxMLP.init, mse, _haliax_data(getkey)),
+                             (_eqx_mlp, _eqx_mse, _eqx_data(getkey))):
+        plain = make(key=getkey())
+        path = tmp_path / "plain.eqx"
+        eqx.tree_serialise_leaves(path, plain)
+
+        converted = sgd_step(loss)(fp8ax.fp8_linear_layers(make(key=getkey()), config), *data)
+        assert all(float(dg.lhs.scale) != 1.0 for dg in _states(converted))
+
+        model = fp8ax.fp8_linear_layers(eqx.tree_deserialise_leaves(path, fp8ax.strip_fp8(converted)), config)
+
+        assert jax.tree.structure(model) == jax.tree.structure(converted)
+        _assert_trees_bit_equal(fp8ax.strip_fp8(model), plain)
+        for dg in _states(model):
+            for state in (dg.lhs, dg.rhs, dg.grad):
+                np.testing.assert_array_equal(np.asarray(state.scale), np.float32(1.0))
+                np.testing.assert_array_equal(np.asarray(state.amax_history), np.zeros(16, np.float32))
+
+
+# ---------------------------------------------------------------------- 5. strip_fp8
+
+
+def test_strip_fp8_gives_back_the_plain_model(getkey):
+    x_hax = hax.random.normal(getkey(), (Batch, In))
+    x_eqx = jax.random.normal(getkey(), (Batch.size, In.size))
+    cases = [
+        (HaliaxMLP.init(key=getkey()), lambda m: m(x_hax).array),
+        (Deep.init(key=getkey()), lambda m: m(x_hax).array),
+        (_eqx_mlp(getkey()), lambda m: jax.vmap(m)(x_eqx)),
+    ]
+    for plain, apply in cases:
+        converted = fp8ax.fp8_linear_layers(plain)
+        assert jax.tree.structure(converted) != jax.tree.structure(plain)
+        stripped = fp8ax.strip_fp8(converted)
+        assert jax.tree.structure(stripped) == jax.tree.structure(plain)
+        _assert_trees_bit_equal(stripped, plain)
+        assert not _states(stripped)
+        # Exactly the plain model's output; the FP8 model's differs (so this is not vacuous).
+        np.testing.assert_array_equal(np.asarray(apply(stripped)), np.asarray(apply(plain)))
+        assert not np.array_equal(np.asarray(apply(converted)), np.asarray(apply(plain)))
+
+
+def test_strip_fp8_keeps_trained_weights(getkey):
+    x, y = _haliax_data(getkey)
+    model = fp8ax.fp8_linear_layers(Deep.init(key=getkey()))
+    trained = sgd_step(mse)(model, x, y)
+    assert _trees_differ(fp8ax.partition_for_grad_overwrite(trained)[1], fp8ax.partition_for_grad_overwrite(model)[1])
+    stripped = fp8ax.strip_fp8(trained)
+    _, params = fp8ax.partition_for_grad_overwrite(trained)
+    for a, b in zip(jax.tree.leaves(stripped), jax.tree.leaves(params), strict=True):
+        assert a is b
+
+
+def test_strip_fp8_of_plain_model_is_a_no_op(getkey):
+    for plain in (HaliaxMLP.init(key=getkey()), Deep.init(key=getkey()), _eqx_mlp(getkey())):
+        stripped = fp8ax.strip_fp8(plain)
+        assert jax.tree.structure(stripped) == jax.tree.structure(plain)
+        assert all(a is b for a, b in zip(jax.tree.leaves(stripped), jax.tree.leaves(plain), strict=True))
+
+
+def test_strip_fp8_of_haliax_quantized_model(getkey):
+    plain = HaliaxMLP.init(key=getkey())
+    quantized = haxq.quantize_linear_layers(plain, haxq.QuantizationConfig(fp8=True))
+    assert isinstance(quantized.up_proj.dot_general, haxq.Fp8DotGeneralOp)
+    stripped = fp8ax.strip_fp8(quantized)
+    assert isinstance(stripped.up_proj.dot_general, haxq.DefaultDotGeneralOp)
+    assert isinstance(stripped.down_proj.dot_general, haxq.DefaultDotGeneralOp)
+    assert jax.tree.structure(stripped) == jax.tree.structure(plain)
+    _assert_trees_bit_equal(stripped, plain)
