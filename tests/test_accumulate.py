@@ -104,16 +104,22 @@ def test_average_for_mean_losses_does_not_divide_the_state(setup):
         np.testing.assert_array_equal(a, b, err_msg=path)
 
 
-def test_first_step_state_matches_too(getkey):
-    # With an empty history each microbatch calibrates on its own amax, so gradients
-    # differ from the full batch's; the merged new state is still the full batch's.
+def test_first_step_state(getkey):
+    # With an empty history each microbatch calibrates on its own amax. The weights' and
+    # the model input's states only depend on those tensors: the max over microbatches
+    # is the full batch's, bit for bit. The other tensors passed through layers that
+    # used per-microbatch scales, so they differ by quantisation noise (E4M3 steps are
+    # 6-12% apart; tolerance 15%).
     model = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
     x = hax.random.normal(getkey(), (Batch, In)) * hax.named(jnp.linspace(0.1, 5.0, N), Batch)
     y = hax.random.normal(getkey(), (Batch, Out))
     full, _ = fp8ax.partition_for_grad_overwrite(eqx.filter_grad(_sum_loss)(model, x, y))
     got, _ = fp8ax.partition_for_grad_overwrite(fp8ax.microbatched(eqx.filter_grad(_sum_loss), K)(model, x, y))
     for (path, a), (_, b) in zip(_leaves(got), _leaves(full), strict=True):
-        np.testing.assert_array_equal(a, b, err_msg=path)
+        if ".rhs." in path or path.startswith(".up_proj.dot_general.lhs"):
+            np.testing.assert_array_equal(a, b, err_msg=path)
+        else:
+            np.testing.assert_allclose(a, b, rtol=0.15, err_msg=path)
 
 
 def test_summing_or_last_microbatch_would_be_wrong(setup):
