@@ -1,5 +1,6 @@
 """fp8_linear_layers, Fp8Config and Fp8Linear."""
 
+import dataclasses
 import equinox as eqx
 import haliax as hax
 import haliax.quantization as haxq
@@ -217,3 +218,23 @@ def test_named_axis_dot_with_injected_dot_general(getkey):
     assert sqnr(y_ref.array, y.array) >= 25.0
     y2 = x.dot(w, axis=In, dot_general=dg)
     np.testing.assert_array_equal(np.asarray(y2.array), np.asarray(y.array))
+
+
+def test_fp8_all_gather_config(getkey):
+    m = fp8ax.fp8_linear_layers(Deep.init(key=getkey()), fp8ax.Fp8Config(fp8_all_gather=True))
+    # The weight's own axis names (not the stacked Layers axis), in the weight's order.
+    up = m.blocks.stacked.mlp.up_proj
+    assert up.dot_general.fp8_all_gather_axes == tuple(a.name for a in up.weight.axes if a.name != "Layers")
+    assert fp8ax.fp8_linear_layers(Deep.init(key=getkey())).head.dot_general.fp8_all_gather_axes is None
+    with pytest.raises(TypeError, match="`fp8_all_gather` must be a bool, got 'yes'"):
+        fp8ax.Fp8Config(fp8_all_gather="yes")
+    with pytest.raises(TypeError, match="`fp8_all_gather_axes` must be None or a sequence of axis names"):
+        fp8ax.Fp8DotGeneral.init(fp8_all_gather_axes="In")
+    # Outside an axis mapping the flag changes nothing.
+    x = hax.random.normal(getkey(), (Batch, In))
+    plain = fp8ax.fp8_linear_layers(Deep.init(key=getkey()))
+    dg = plain.blocks.stacked.mlp.up_proj.dot_general
+    flagged = eqx.tree_at(lambda t: t.blocks.stacked.mlp.up_proj.dot_general, plain,
+                          dataclasses.replace(dg, fp8_all_gather_axes=up.dot_general.fp8_all_gather_axes))
+    assert flagged.blocks.stacked.mlp.up_proj.dot_general.fp8_all_gather_axes is not None
+    np.testing.assert_array_equal(np.asarray(flagged(x).array), np.asarray(plain(x).array))

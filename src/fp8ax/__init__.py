@@ -14,6 +14,7 @@ from ._update import (
     partition_for_grad_overwrite as partition_for_grad_overwrite,
 )
 from ._accumulate import accumulate_gradients as accumulate_gradients, microbatched as microbatched
+from ._distributed import pmean_gradients as pmean_gradients
 from ._cast import cast_floating as cast_floating
 from ._inspect import GemmReport as GemmReport, gemm_report as gemm_report
 

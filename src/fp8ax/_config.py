@@ -32,6 +32,7 @@ class Fp8Config(eqx.Module):
     fwd_precision: lax.Precision | None = eqx.field(static=True)
     dlhs_precision: lax.Precision | None = eqx.field(static=True)
     drhs_precision: lax.Precision | None = eqx.field(static=True)
+    fp8_all_gather: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -44,6 +45,7 @@ class Fp8Config(eqx.Module):
         fwd_precision: lax.Precision | None = None,
         dlhs_precision: lax.Precision | None = lax.Precision.DEFAULT,
         drhs_precision: lax.Precision | None = lax.Precision.DEFAULT,
+        fp8_all_gather: bool = False,
     ):
         """**Arguments:**
 
@@ -64,6 +66,12 @@ class Fp8Config(eqx.Module):
           faster matmul saves.
         - `fwd_precision`, `dlhs_precision`, `drhs_precision`: `lax.Precision` per GEMM,
           see [`fp8ax.Fp8DotGeneral.init`][] (keyword only).
+        - `fp8_all_gather`: for FSDP. Quantise each `haliax.nn.Linear` weight to FP8
+          while it is still sharded, and lay the FP8 weight out as the current Haliax axis
+          mapping asks (inside `haliax.named_jit(..., axis_resources=...)`), so the
+          all-gather moves FP8 bytes instead of bf16/f32 ones (keyword only). No effect
+          on `equinox.nn.Linear` layers or outside an axis mapping. See the "Distributed
+          training" page of the docs.
         """
         self.targets = _check_targets(targets)
         if recipe is None:
@@ -75,6 +83,9 @@ class Fp8Config(eqx.Module):
         self.fwd_precision = _check_precision(fwd_precision, "fwd_precision")
         self.dlhs_precision = _check_precision(dlhs_precision, "dlhs_precision")
         self.drhs_precision = _check_precision(drhs_precision, "drhs_precision")
+        if not isinstance(fp8_all_gather, bool):
+            raise TypeError(f"`fp8_all_gather` must be a bool, got {fp8_all_gather!r}.")
+        self.fp8_all_gather = fp8_all_gather
 
     def __check_init__(self):
         _check_recipe_and_mode(self.recipe, self.mode)
@@ -94,8 +105,14 @@ class Fp8Config(eqx.Module):
             return any(path == name or path.endswith("." + name) for name in t)
         return bool(t(path, layer))
 
-    def make_dot_general(self, batch_shape: tuple[int, ...] = ()) -> Fp8DotGeneral:
-        """A fresh [`fp8ax.Fp8DotGeneral`][] with this config's recipe and settings."""
+    def make_dot_general(
+        self, batch_shape: tuple[int, ...] = (), rhs_axes: tuple[str, ...] | None = None
+    ) -> Fp8DotGeneral:
+        """A fresh [`fp8ax.Fp8DotGeneral`][] with this config's recipe and settings.
+
+        `rhs_axes` are the Haliax axis names of the weight (without stacked axes), which
+        `fp8_all_gather` needs; [`fp8ax.fp8_linear_layers`][] passes them.
+        """
         return Fp8DotGeneral.init(
             self.recipe,
             mode=self.mode,
@@ -104,6 +121,7 @@ class Fp8Config(eqx.Module):
             dlhs_precision=self.dlhs_precision,
             drhs_precision=self.drhs_precision,
             batch_shape=batch_shape,
+            fp8_all_gather_axes=rhs_axes if self.fp8_all_gather else None,
         )
 
 

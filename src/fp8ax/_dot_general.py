@@ -3,6 +3,7 @@ from collections.abc import Sequence
 from typing import Literal, NamedTuple
 
 import equinox as eqx
+import haliax as hax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -74,6 +75,7 @@ class Fp8DotGeneral(OverwriteWithGradient):
     fwd_precision: lax.Precision | None = eqx.field(static=True)
     dlhs_precision: lax.Precision | None = eqx.field(static=True)
     drhs_precision: lax.Precision | None = eqx.field(static=True)
+    fp8_all_gather_axes: tuple[str, ...] | None = eqx.field(static=True, default=None)
 
     def __check_init__(self):
         _check_recipe_and_mode(self.recipe, self.mode)
@@ -92,6 +94,7 @@ class Fp8DotGeneral(OverwriteWithGradient):
         dlhs_precision: lax.Precision | None = lax.Precision.DEFAULT,
         drhs_precision: lax.Precision | None = lax.Precision.DEFAULT,
         batch_shape: tuple[int, ...] = (),
+        fp8_all_gather_axes: Sequence[str] | None = None,
     ) -> "Fp8DotGeneral":
         """Builds an `Fp8DotGeneral` with fresh state (scale 1, empty history).
 
@@ -116,6 +119,10 @@ class Fp8DotGeneral(OverwriteWithGradient):
         - `batch_shape`: leading shape of the state arrays, one state per stacked layer
           (what [`fp8ax.fp8_linear_layers`][] uses inside `haliax.nn.Stacked`). (Keyword
           only argument.)
+        - `fp8_all_gather_axes`: the Haliax axis names of `rhs`, in order. If given, the
+          FP8 `rhs` is laid out by the current Haliax axis mapping right after
+          quantisation (a sharding constraint), so that an FSDP all-gather of the weight
+          moves FP8 values. `None` (default): no constraint. (Keyword only argument.)
         """
         if recipe is None:
             recipe = DelayedScaling()
@@ -123,6 +130,12 @@ class Fp8DotGeneral(OverwriteWithGradient):
         if compute_dtype is not None:
             compute_dtype = _check_compute_dtype(compute_dtype)
         batch_shape = tuple(int(b) for b in batch_shape)
+        if fp8_all_gather_axes is not None:
+            if isinstance(fp8_all_gather_axes, str) or not all(isinstance(a, str) for a in fp8_all_gather_axes):
+                raise TypeError(
+                    f"`fp8_all_gather_axes` must be None or a sequence of axis names, got {fp8_all_gather_axes!r}."
+                )
+            fp8_all_gather_axes = tuple(fp8_all_gather_axes)
         return cls(
             lhs=recipe.init_state(batch_shape),
             rhs=recipe.init_state(batch_shape),
@@ -133,6 +146,7 @@ class Fp8DotGeneral(OverwriteWithGradient):
             fwd_precision=_check_precision(fwd_precision, "fwd_precision"),
             dlhs_precision=_check_precision(dlhs_precision, "dlhs_precision"),
             drhs_precision=_check_precision(drhs_precision, "drhs_precision"),
+            fp8_all_gather_axes=fp8_all_gather_axes,
         )
 
     @jax.named_scope("fp8ax.Fp8DotGeneral")
@@ -208,6 +222,9 @@ class Fp8DotGeneral(OverwriteWithGradient):
             mode=self.mode,
             recipe=self.recipe,
             state_is_max=tuple(is_max(v) for v in raw),
+            lhs_vma=_vma(lhs),
+            rhs_vma=_vma(rhs),
+            rhs_axes=self.fp8_all_gather_axes,
         )
         return _fp8_dot(static, lhs, rhs, *raw)
 
@@ -296,6 +313,39 @@ class _Static(NamedTuple):
     mode: str
     recipe: AbstractScalingRecipe
     state_is_max: tuple[bool, ...]  # which state values arrive in the max-accumulating dtype
+    lhs_vma: frozenset  # `jax.shard_map` axes the operands vary over (empty outside shard_map)
+    rhs_vma: frozenset
+    rhs_axes: tuple[str, ...] | None  # Haliax names of rhs's axes, for the FP8 all-gather
+
+
+def _lay_out_by_axis_mapping(q, axes: tuple[str, ...] | None):
+    """Sharding constraint on a quantised weight: the layout the current Haliax axis
+    mapping gives its named axes. The weight is quantised where it lies (sharded, for
+    FSDP), so the all-gather that XLA's SPMD partitioner inserts to reach this layout
+    moves FP8 values (without it, `"qdq"` mode gathers the dequantised weight).
+
+    The constraint is put on the FP8 bits viewed as uint8. Put on the FP8 array itself,
+    XLA:CPU widens it to float32 before partitioning and gathers 4 bytes per value."""
+    if axes is None or len(axes) != q.ndim:
+        return q
+    if hax.partitioning.current_thread_local_mapping() is None:
+        return q
+    bits = lax.bitcast_convert_type(q, jnp.uint8)
+    named = hax.NamedArray(bits, tuple(hax.Axis(name, size) for name, size in zip(axes, q.shape)))
+    return lax.bitcast_convert_type(hax.shard(named).array, q.dtype)
+
+
+def _vma(x) -> frozenset:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)  # jax 0.10; older releases call it `vma`
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", None) or ())
+
+
+def _reduce_to(value, vma: frozenset, reduce):
+    """Inside `jax.shard_map`: reduce `value` over the manual axes it varies over but
+    `vma` does not, so it has the type of a value that varies over `vma` only."""
+    extra = tuple(sorted(_vma(value) - vma))
+    return reduce(value, extra) if extra else value
 
 
 def _free_dims(ndim, contracting, batch):
@@ -316,7 +366,12 @@ def _gemm(st: _Static, a, a_scale, b, b_scale, dims, precision, out_dtype, ref_d
 
 
 def _quantise_operand(recipe, x, scale, history, fp8_dtype):
-    amax = merged_amax(_formats.amax(x), scale)
+    # Under `jax.shard_map`, a tensor that varies over a manual axis its state does not
+    # vary over is one shard of a bigger tensor: its amax is the max over the shards
+    # (as `jax.vmap` data axes are merged by `merged_amax`). Under `jax.jit` with
+    # shardings, XLA computes the global max by itself.
+    amax = _reduce_to(_formats.amax(x), _vma(scale), lax.pmax)
+    amax = merged_amax(amax, scale)
     used = recipe.scale_for_call(scale, history, amax, _formats.fp8_max(fp8_dtype))
     return _formats.quantize(x, used, fp8_dtype), used, amax
 
@@ -339,6 +394,7 @@ def _fp8_dot_fwd(st: _Static, lhs, rhs, l_scale, l_hist, r_scale, r_hist, g_scal
     ls, lh, rs, rh, gs, gh = (as_f32(v) for v in (l_scale, l_hist, r_scale, r_hist, g_scale, g_hist))
     ql, l_used, l_amax = _quantise_operand(recipe, lhs, ls, lh, recipe.fwd_dtype)
     qr, r_used, r_amax = _quantise_operand(recipe, rhs, rs, rh, recipe.fwd_dtype)
+    qr = _lay_out_by_axis_mapping(qr, st.rhs_axes)
     out = _gemm(st, ql, l_used, qr, r_used, st.dims, st.fwd_precision, st.out_dtype, _compute_dtype(st))
     return out, (ql, qr, l_used, r_used, l_amax, r_amax, (ls, lh, rs, rh, gs, gh))
 
@@ -400,7 +456,13 @@ def _fp8_dot_bwd(st: _Static, residuals, g):
     new = []
     for scale, hist, used, amax in ((ls, lh, l_used, l_amax), (rs, rh, r_used, r_amax), (gs, gh, g_used, g_amax)):
         new.extend(recipe.next_state(merged_amax(used, scale), hist, merged_amax(amax, scale)))
+    state = (ls, lh, rs, rh, gs, gh)
+    new = [_reduce_to(v, _vma(old), lax.pmax) for v, old in zip(new, state)]
     cts = tuple(_to_rep(v.astype(jnp.float32), m) for v, m in zip(new, st.state_is_max))
+    # Under `jax.shard_map` the cotangent of an operand that does not vary over a manual
+    # axis (a replicated weight) is summed over it, as JAX's own `dot_general` does.
+    dlhs = _reduce_to(dlhs, st.lhs_vma, lax.psum)
+    drhs = _reduce_to(drhs, st.rhs_vma, lax.psum)
     return (dlhs, drhs, *cts)
 
 

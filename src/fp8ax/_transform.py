@@ -211,7 +211,9 @@ def fp8_linear_layers(module: T, config: Fp8Config | None = None) -> T:
         kept += 1
         if isinstance(node, eqx.nn.Linear):
             return Fp8Linear.from_linear(node, config)
-        return dataclasses.replace(node, dot_general=config.make_dot_general(_haliax_batch_shape(node)))
+        own = _axis_names(node.In) | _axis_names(node.Out)
+        rhs_axes = tuple(ax.name for ax in node.weight.axes if ax.name in own)
+        return dataclasses.replace(node, dot_general=config.make_dot_general(_haliax_batch_shape(node), rhs_axes))
 
     out = jtu.tree_map_with_path(convert, module, is_leaf=_is_linear)
     if not seen:
