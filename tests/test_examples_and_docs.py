@@ -1,9 +1,28 @@
-"""Examples run, and the docs cover every public name."""
+"""Examples run, the docs' runnable code blocks run, and the docs cover every public name.
 
+Runnable doc blocks. A fenced ```python block in docs/*.md or README.md that comes right
+after a line holding only the HTML comment `<!-- runnable -->` is executed by
+`test_runnable_doc_blocks`:
+
+    <!-- runnable -->
+    ```python
+    import fp8ax
+    ```
+
+The comment renders as nothing in mkdocs-material and on GitHub. All runnable blocks of a
+page run in order, concatenated into one script in one fresh Python process (no strict
+dtype promotion: the docs run as users run them), so a later block can use the names an
+earlier one defined. Blocks may be indented (inside a list item or an admonition) as long
+as the comment has the same indentation as the fence. Leave fragments unmarked, and do not
+mark `--8<--` includes: those files are examples, which run on their own.
+"""
+
+import importlib.util
 import pathlib
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -14,25 +33,164 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.py"))
 
 
 def test_there_are_examples():
-    assert {p.name for p in EXAMPLES} >= {"demo.py", "haliax_mlp.py", "equinox_mlp.py", "named_axis_dot.py"}
+    assert {p.name for p in EXAMPLES} >= {
+        "demo.py",
+        "haliax_mlp.py",
+        "equinox_mlp.py",
+        "named_axis_dot.py",
+        "haliax_transformer_lm.py",
+    }
 
 
-def _run_example(path, *args):
+def _run_example(path, *args, cwd):
+    # Run in a scratch directory, so an example that writes files (a plot) leaves the checkout clean.
     proc = subprocess.run(
-        [sys.executable, str(path), "--steps", "3", *args], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [sys.executable, str(path), "--steps", "3", *args], cwd=cwd, capture_output=True, text=True, timeout=300
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc.stdout
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
-def test_example_runs(path):
-    _run_example(path)
+# Examples run by a test of their own, which also checks their output.
+OWN_TEST = {"haliax_transformer_lm.py"}
 
 
-def test_microbatched_example_runs():
-    out = _run_example(ROOT / "examples" / "haliax_mlp.py", "--microbatches", "4")
+@pytest.mark.parametrize("path", [p for p in EXAMPLES if p.name not in OWN_TEST], ids=lambda p: p.name)
+def test_example_runs(path, tmp_path):
+    _run_example(path, cwd=tmp_path)
+
+
+def test_microbatched_example_runs(tmp_path):
+    out = _run_example(ROOT / "examples" / "haliax_mlp.py", "--microbatches", "4", cwd=tmp_path)
     assert "step    3  loss" in out
+
+
+def test_lm_example_prints_the_loss_table_and_saves_the_plot(tmp_path):
+    plot = tmp_path / "curves" / "loss.png"
+    tiny = ["--layers", "1", "--seq", "16", "--batch", "4", "--embed", "32"]
+    out = _run_example(ROOT / "examples" / "haliax_transformer_lm.py", *tiny, "--plot", str(plot), cwd=tmp_path)
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split() == ["step", "bf16", "loss", "fp8", "loss"])
+    rows = [line.split() for line in lines[header + 1 : header + 4]]
+    assert [int(r[0]) for r in rows] == [1, 2, 3], out
+    for r in rows:
+        bf16, fp8 = float(r[1]), float(r[2])
+        assert 0 < bf16 < 10 and 0 < fp8 < 10, out  # cross-entropy over 61 characters starts near ln 61 = 4.1
+    assert re.search(r"held-out loss: +bf16 [\d.]+, fp8 [\d.]+", out), out
+    assert plot.exists(), f"no plot written (matplotlib is in the `test` extra):\n{out}"
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_lm_example_skips_the_plot_without_matplotlib(tmp_path, monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("lm_example", ROOT / "examples" / "haliax_transformer_lm.py")
+    lm = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lm)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    lm.save_plot(tmp_path / "loss.png", [1, 2], {"bf16": [4.0, 3.0], "fp8": [4.0, 3.1]}, {"bf16": 3.0, "fp8": 3.1})
+    assert "matplotlib is not installed" in capsys.readouterr().out
+    assert not (tmp_path / "loss.png").exists()
+
+
+def test_lm_example_data_is_plain_text():
+    data = ROOT / "examples" / "data"
+    text = (data / "tinyshakespeare.txt").read_bytes()
+    assert 100_000 < len(text) <= 250_000
+    assert text.isascii() and b"\r" not in text and b"\t" not in text
+    assert text.startswith(b"First Citizen:\nBefore we proceed any further, hear me speak.\n")
+    assert text.endswith(b"\n") and not text.endswith(b"\n\n")
+    assert "public domain" in (data / "README.md").read_text()
+
+
+# --- runnable doc blocks (the convention is in this file's docstring) ---
+
+MARKER = "<!-- runnable -->"
+DOC_PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+# Pages that must keep runnable blocks: a guard against markers being dropped by accident.
+PAGES_WITH_RUNNABLE_BLOCKS = {"index.md", "state.md", "recipes.md", "migrating.md"}
+
+
+def runnable_blocks(text: str) -> list[tuple[int, str]]:
+    """The `(line number, code)` of each block marked runnable in a Markdown page.
+
+    Raises `ValueError` for a marker that is not directly followed by a ```python fence, or
+    a fence that is never closed.
+    """
+    lines = text.splitlines()
+    blocks = []
+    for i, line in enumerate(lines):
+        if line.strip() != MARKER:
+            continue
+        indent = line[: len(line) - len(line.lstrip())]
+        if i + 1 >= len(lines) or lines[i + 1] != indent + "```python":
+            raise ValueError(f"line {i + 1}: {MARKER} must be directly followed by {indent!r} + '```python'")
+        try:
+            end = lines.index(indent + "```", i + 2)
+        except ValueError:
+            raise ValueError(f"line {i + 2}: the runnable block is never closed") from None
+        body = "\n".join(lines[i + 2 : end])
+        blocks.append((i + 3, textwrap.dedent(body)))  # 1-based line of the block's first code line
+    return blocks
+
+
+def _marker_count(text: str) -> int:
+    return sum(line.strip() == MARKER for line in text.splitlines())
+
+
+def _marked_pages():
+    return [p for p in DOC_PAGES if _marker_count(p.read_text())]
+
+
+def _page_id(page):
+    return str(page.relative_to(ROOT))
+
+
+def test_runnable_block_extraction():
+    page = f"intro\n\n{MARKER}\n```python\nx = 1\n```\n\n```python\nfragment\n```\n\n- item\n\n  {MARKER}\n  ```python\n  y = x + 1\n  ```\n"
+    assert runnable_blocks(page) == [(5, "x = 1"), (16, "y = x + 1")]
+    with pytest.raises(ValueError, match="directly followed"):
+        runnable_blocks(f"{MARKER}\n\n```python\nx = 1\n```\n")
+    with pytest.raises(ValueError, match="never closed"):
+        runnable_blocks(f"{MARKER}\n```python\nx = 1\n")
+
+
+@pytest.mark.parametrize("page", DOC_PAGES, ids=_page_id)
+def test_every_marker_yields_a_runnable_block(page):
+    text = page.read_text()
+    near_misses = [
+        n
+        for n, line in enumerate(text.splitlines(), 1)
+        if line.strip() != MARKER and re.search(r"<!--\s*runnable\s*-->", re.sub(r"`[^`]*`", "", line), re.I)
+    ]
+    assert not near_misses, f"{_page_id(page)}: lines {near_misses} look like {MARKER} but are not exactly it"
+    n_markers = _marker_count(text)
+    blocks = runnable_blocks(text)
+    assert len(blocks) == n_markers, f"{_page_id(page)}: {n_markers} markers but {len(blocks)} blocks extracted"
+    assert all(code.strip() for _, code in blocks), f"{_page_id(page)}: an empty runnable block"
+    if page.name in PAGES_WITH_RUNNABLE_BLOCKS and page.parent.name == "docs":
+        assert blocks, f"{_page_id(page)} should have runnable blocks, but none were extracted"
+
+
+@pytest.mark.parametrize("page", _marked_pages(), ids=_page_id)
+def test_runnable_doc_blocks(page, tmp_path):
+    blocks = runnable_blocks(page.read_text())
+    assert blocks
+    script, spans = [], []  # spans: (first script line, last script line, page line) per block
+    for page_line, code in blocks:
+        script.append(f"# --- {_page_id(page)}, block at line {page_line} ---")
+        start = len(script) + 1
+        script.extend(code.splitlines())
+        spans.append((start, len(script), page_line))
+    path = tmp_path / "doc_blocks.py"
+    path.write_text("\n".join(script) + "\n")
+    proc = subprocess.run([sys.executable, str(path)], cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    if proc.returncode != 0:
+        failing = [int(n) for n in re.findall(rf'File "{re.escape(str(path))}", line (\d+)', proc.stderr)]
+        where = "an unknown block"
+        for start, stop, page_line in spans:
+            if failing and start <= failing[-1] <= stop:
+                code = "\n".join(script[start - 1 : stop])
+                where = f"the block at {_page_id(page)}:{page_line}, its line {failing[-1] - start + 1}:\n{code}"
+        pytest.fail(f"a runnable block of {_page_id(page)} failed; {where}\n\n{proc.stderr[-4000:]}")
 
 
 def test_every_public_name_is_in_the_api_reference():
