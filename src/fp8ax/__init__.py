@@ -5,6 +5,14 @@ from importlib.metadata import version as _version
 # configuration
 from ._config import Fp8Config as Fp8Config
 from ._recipes import AbstractScalingRecipe as AbstractScalingRecipe, DelayedScaling as DelayedScaling
+from ._current import (
+    AbstractStatelessRecipe as AbstractStatelessRecipe,
+    CurrentScaling as CurrentScaling,
+    Int8Scaling as Int8Scaling,
+    MXScaling as MXScaling,
+    QuantizedArray as QuantizedArray,
+    quantize as quantize,
+)
 
 # top level UX
 from ._transform import fp8_linear_layers as fp8_linear_layers, strip_fp8 as strip_fp8

@@ -12,6 +12,7 @@ from ._dot_general import (
     _check_compute_dtype,
     _check_precision,
     _check_recipe_and_mode,
+    check_operand_recipes,
 )
 from ._recipes import AbstractScalingRecipe, DelayedScaling
 
@@ -33,6 +34,10 @@ class Fp8Config(eqx.Module):
     dlhs_precision: lax.Precision | None = eqx.field(static=True)
     drhs_precision: lax.Precision | None = eqx.field(static=True)
     fp8_all_gather: bool = eqx.field(static=True)
+    lhs_recipe: Any = eqx.field(static=True)
+    rhs_recipe: Any = eqx.field(static=True)
+    grad_recipe: Any = eqx.field(static=True)
+    high_precision_gemms: tuple[str, ...] = eqx.field(static=True)
 
     def __init__(
         self,
@@ -46,6 +51,10 @@ class Fp8Config(eqx.Module):
         dlhs_precision: lax.Precision | None = lax.Precision.DEFAULT,
         drhs_precision: lax.Precision | None = lax.Precision.DEFAULT,
         fp8_all_gather: bool = False,
+        lhs_recipe=None,
+        rhs_recipe=None,
+        grad_recipe=None,
+        high_precision_gemms: Sequence[str] = (),
     ):
         """**Arguments:**
 
@@ -72,6 +81,9 @@ class Fp8Config(eqx.Module):
           all-gather moves FP8 bytes instead of bf16/f32 ones (keyword only). No effect
           on `equinox.nn.Linear` layers or outside an axis mapping. See the "Distributed
           training" page of the docs.
+        - `lhs_recipe`, `rhs_recipe`, `grad_recipe`, `high_precision_gemms`: per-operand
+          recipes and GEMMs kept in high precision, for stateless recipes; see
+          [`fp8ax.Fp8DotGeneral.init`][] (keyword only).
         """
         self.targets = _check_targets(targets)
         if recipe is None:
@@ -86,6 +98,8 @@ class Fp8Config(eqx.Module):
         if not isinstance(fp8_all_gather, bool):
             raise TypeError(f"`fp8_all_gather` must be a bool, got {fp8_all_gather!r}.")
         self.fp8_all_gather = fp8_all_gather
+        (self.lhs_recipe, self.rhs_recipe, self.grad_recipe, self.high_precision_gemms) = check_operand_recipes(
+            recipe, lhs_recipe, rhs_recipe, grad_recipe, high_precision_gemms)
 
     def __check_init__(self):
         _check_recipe_and_mode(self.recipe, self.mode)
@@ -122,6 +136,10 @@ class Fp8Config(eqx.Module):
             drhs_precision=self.drhs_precision,
             batch_shape=batch_shape,
             fp8_all_gather_axes=rhs_axes if self.fp8_all_gather else None,
+            lhs_recipe=self.lhs_recipe,
+            rhs_recipe=self.rhs_recipe,
+            grad_recipe=self.grad_recipe,
+            high_precision_gemms=self.high_precision_gemms,
         )
 
 

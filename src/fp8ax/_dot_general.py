@@ -1,6 +1,6 @@
 import functools
 from collections.abc import Sequence
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import equinox as eqx
 import haliax as hax
@@ -18,6 +18,31 @@ from ._update import OverwriteWithGradient
 
 Mode = Literal["direct", "qdq"]
 _MODES = ("direct", "qdq")
+_GEMMS = ("fwd", "dlhs", "drhs")
+
+
+def check_operand_recipes(recipe, lhs_recipe, rhs_recipe, grad_recipe, high_precision_gemms):
+    """Validates the per-operand overrides; returns them normalised."""
+    from ._current import AbstractStatelessRecipe
+
+    overrides = {"lhs_recipe": lhs_recipe, "rhs_recipe": rhs_recipe, "grad_recipe": grad_recipe}
+    for name, value in overrides.items():
+        if value is not None and value != "off" and not isinstance(value, AbstractStatelessRecipe):
+            raise TypeError(
+                f"`{name}` must be None (use `recipe`), 'off' (no quantisation) or a stateless recipe "
+                f"(`fp8ax.CurrentScaling`, `fp8ax.MXScaling`, `fp8ax.Int8Scaling`), got {value!r}."
+            )
+    if isinstance(high_precision_gemms, str) or not all(g in _GEMMS for g in high_precision_gemms):
+        raise ValueError(f"`high_precision_gemms` must be a sequence of names from {_GEMMS}, got {high_precision_gemms!r}.")
+    high_precision_gemms = tuple(g for g in _GEMMS if g in tuple(high_precision_gemms))
+    changed = any(v is not None for v in overrides.values()) or high_precision_gemms
+    if changed and isinstance(recipe, AbstractScalingRecipe):
+        raise ValueError(
+            "Per-operand recipes and `high_precision_gemms` need a stateless `recipe` (`fp8ax.CurrentScaling`, "
+            f"`fp8ax.MXScaling`, `fp8ax.Int8Scaling`); got {type(recipe).__name__}, whose state covers all three "
+            "tensors."
+        )
+    return lhs_recipe, rhs_recipe, grad_recipe, high_precision_gemms
 
 DimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
 
@@ -44,10 +69,12 @@ def _check_compute_dtype(value) -> np.dtype:
 
 
 def _check_recipe_and_mode(recipe, mode) -> None:
-    if not isinstance(recipe, AbstractScalingRecipe):
+    from ._current import AbstractStatelessRecipe
+
+    if not isinstance(recipe, AbstractScalingRecipe | AbstractStatelessRecipe):
         raise TypeError(
-            f"`recipe` must be an `fp8ax.AbstractScalingRecipe` such as `fp8ax.DelayedScaling()`, "
-            f"got {type(recipe).__name__}."
+            "`recipe` must be an fp8ax recipe (`fp8ax.DelayedScaling()`, `fp8ax.CurrentScaling()`, "
+            f"`fp8ax.MXScaling()`, `fp8ax.Int8Scaling()`), got {type(recipe).__name__}."
         )
     if mode not in _MODES:
         raise ValueError(f"`mode` must be one of {_MODES}, got {mode!r}.")
@@ -76,9 +103,15 @@ class Fp8DotGeneral(OverwriteWithGradient):
     dlhs_precision: lax.Precision | None = eqx.field(static=True)
     drhs_precision: lax.Precision | None = eqx.field(static=True)
     fp8_all_gather_axes: tuple[str, ...] | None = eqx.field(static=True, default=None)
+    lhs_recipe: Any = eqx.field(static=True, default=None)
+    rhs_recipe: Any = eqx.field(static=True, default=None)
+    grad_recipe: Any = eqx.field(static=True, default=None)
+    high_precision_gemms: tuple[str, ...] = eqx.field(static=True, default=())
 
     def __check_init__(self):
         _check_recipe_and_mode(self.recipe, self.mode)
+        check_operand_recipes(self.recipe, self.lhs_recipe, self.rhs_recipe, self.grad_recipe,
+                              self.high_precision_gemms)
         for name in ("lhs", "rhs", "grad"):
             if not isinstance(getattr(self, name), ScalingState | None):
                 raise TypeError(f"`{name}` must be an `fp8ax.ScalingState`, got {type(getattr(self, name)).__name__}.")
@@ -95,6 +128,10 @@ class Fp8DotGeneral(OverwriteWithGradient):
         drhs_precision: lax.Precision | None = lax.Precision.DEFAULT,
         batch_shape: tuple[int, ...] = (),
         fp8_all_gather_axes: Sequence[str] | None = None,
+        lhs_recipe=None,
+        rhs_recipe=None,
+        grad_recipe=None,
+        high_precision_gemms: Sequence[str] = (),
     ) -> "Fp8DotGeneral":
         """Builds an `Fp8DotGeneral` with fresh state (scale 1, empty history).
 
@@ -123,10 +160,19 @@ class Fp8DotGeneral(OverwriteWithGradient):
           FP8 `rhs` is laid out by the current Haliax axis mapping right after
           quantisation (a sharding constraint), so that an FSDP all-gather of the weight
           moves FP8 values. `None` (default): no constraint. (Keyword only argument.)
+        - `lhs_recipe`, `rhs_recipe`, `grad_recipe`: per-operand overrides of a stateless
+          `recipe`: `None` (default) uses `recipe`, `"off"` leaves that operand in high
+          precision, a stateless recipe quantises it that way. (Keyword only arguments.)
+        - `high_precision_gemms`: GEMMs computed without quantisation, from `"fwd"`,
+          `"dlhs"` (input gradient) and `"drhs"` (weight gradient); e.g. `("drhs",)` is
+          torchao's `rowwise_with_gw_hp`. Stateless recipes only. (Keyword only argument.)
         """
         if recipe is None:
             recipe = DelayedScaling()
         _check_recipe_and_mode(recipe, mode)
+        lhs_recipe, rhs_recipe, grad_recipe, high_precision_gemms = check_operand_recipes(
+            recipe, lhs_recipe, rhs_recipe, grad_recipe, high_precision_gemms)
+        stateful = isinstance(recipe, AbstractScalingRecipe)
         if compute_dtype is not None:
             compute_dtype = _check_compute_dtype(compute_dtype)
         batch_shape = tuple(int(b) for b in batch_shape)
@@ -137,9 +183,9 @@ class Fp8DotGeneral(OverwriteWithGradient):
                 )
             fp8_all_gather_axes = tuple(fp8_all_gather_axes)
         return cls(
-            lhs=recipe.init_state(batch_shape),
-            rhs=recipe.init_state(batch_shape),
-            grad=recipe.init_state(batch_shape),
+            lhs=recipe.init_state(batch_shape) if stateful else None,
+            rhs=recipe.init_state(batch_shape) if stateful else None,
+            grad=recipe.init_state(batch_shape) if stateful else None,
             recipe=recipe,
             mode=mode,
             compute_dtype=compute_dtype,
@@ -147,6 +193,10 @@ class Fp8DotGeneral(OverwriteWithGradient):
             dlhs_precision=_check_precision(dlhs_precision, "dlhs_precision"),
             drhs_precision=_check_precision(drhs_precision, "drhs_precision"),
             fp8_all_gather_axes=fp8_all_gather_axes,
+            lhs_recipe=lhs_recipe,
+            rhs_recipe=rhs_recipe,
+            grad_recipe=grad_recipe,
+            high_precision_gemms=high_precision_gemms,
         )
 
     @jax.named_scope("fp8ax.Fp8DotGeneral")
@@ -198,6 +248,8 @@ class Fp8DotGeneral(OverwriteWithGradient):
             jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
             jax.ShapeDtypeStruct(rhs.shape, rhs.dtype),
         )
+        if not isinstance(self.recipe, AbstractScalingRecipe):
+            return self._stateless_call(lhs, rhs, dims, precision, preferred_element_type, out.dtype)
         raw = []
         for name in ("lhs", "rhs", "grad"):
             state: ScalingState = getattr(self, name)
@@ -228,8 +280,35 @@ class Fp8DotGeneral(OverwriteWithGradient):
         )
         return _fp8_dot(static, lhs, rhs, *raw)
 
+    def _stateless_call(self, lhs, rhs, dims, precision, preferred, out_dtype):
+        from ._stateless import StatelessStatic, stateless_dot
+
+        def operand(override):
+            return self.recipe if override is None else (None if override == "off" else override)
+
+        static = StatelessStatic(
+            dims=dims,
+            lhs_dtype=np.dtype(lhs.dtype),
+            rhs_dtype=np.dtype(rhs.dtype),
+            out_dtype=np.dtype(out_dtype),
+            preferred=preferred,
+            fwd_precision=self.fwd_precision if self.fwd_precision is not None else precision,
+            dlhs_precision=self.dlhs_precision,
+            drhs_precision=self.drhs_precision,
+            mode=self.mode,
+            lhs=operand(self.lhs_recipe),
+            rhs=operand(self.rhs_recipe),
+            grad=operand(self.grad_recipe),
+            high_precision=frozenset(self.high_precision_gemms),
+            lhs_vma=_vma(lhs),
+            rhs_vma=_vma(rhs),
+        )
+        return stateless_dot(static, lhs, rhs)
+
     def _overwritten_by(self, new: "Fp8DotGeneral") -> "Fp8DotGeneral":
         # Used by `apply_updates`: take the new state of every layer the step used.
+        if self.lhs is None:  # a stateless recipe: nothing to write
+            return self
         return eqx.tree_at(
             lambda m: (m.lhs, m.rhs, m.grad),
             self,
@@ -399,36 +478,44 @@ def _fp8_dot_fwd(st: _Static, lhs, rhs, l_scale, l_hist, r_scale, r_hist, g_scal
     return out, (ql, qr, l_used, r_used, l_amax, r_amax, (ls, lh, rs, rh, gs, gh))
 
 
-def _transposed_gemm(st, a, a_scale, b, b_scale, a_contract, b_contract, a_batch, b_batch, layout_ab, layout_ba,
-                     precision, out_dtype):
-    """One backward GEMM, with the operand order whose result is already laid out as the
-    gradient's operand (no transpose of the result), if either order gives that."""
-    ref = _compute_dtype(st)
+def oriented_gemm(gemm, a_contract, b_contract, a_batch, b_batch, layout_ab, layout_ba):
+    """One backward GEMM, in the operand order whose result is already laid out as the
+    gradient's operand (no transpose of the result), if either order gives that.
+
+    `gemm(swapped, dims)` computes `a . b` (or `b . a` if `swapped`) with `dims`."""
 
     def in_order(layout):
         return list(layout) == sorted(layout)
 
     if not in_order(layout_ab) and in_order(layout_ba):
-        out = _gemm(st, b, b_scale, a, a_scale, ((b_contract, a_contract), (b_batch, a_batch)), precision,
-                    out_dtype, ref)
+        out = gemm(True, ((b_contract, a_contract), (b_batch, a_batch)))
         layout = layout_ba
     else:
-        out = _gemm(st, a, a_scale, b, b_scale, ((a_contract, b_contract), (a_batch, b_batch)), precision,
-                    out_dtype, ref)
+        out = gemm(False, ((a_contract, b_contract), (a_batch, b_batch)))
         layout = layout_ab
     return out if in_order(layout) else jnp.transpose(out, np.argsort(layout))
 
 
-def _fp8_dot_bwd(st: _Static, residuals, g):
-    recipe = st.recipe
-    ql, qr, l_used, r_used, l_amax, r_amax, (ls, lh, rs, rh, gs, gh) = residuals
-    (lc, rc), (lb, rb) = st.dims
-    qg, g_used, g_amax = _quantise_operand(recipe, g, gs, gh, recipe.grad_dtype)
+class BwdLayout(NamedTuple):
+    """Dimension bookkeeping of the two backward GEMMs of `dot_general(lhs, rhs, dims)`."""
 
+    l_free: tuple
+    r_free: tuple
+    g_batch: tuple
+    g_lfree: tuple
+    g_rfree: tuple
+    dlhs_ab: tuple  # layout of dlhs computed as g . rhs
+    dlhs_ba: tuple  # ... as rhs . g
+    drhs_ab: tuple  # layout of drhs computed as lhs . g
+    drhs_ba: tuple  # ... as g . lhs
+
+
+def bwd_layout(dims, l_ndim, r_ndim) -> BwdLayout:
+    (lc, rc), (lb, rb) = dims
     # dot_general's output layout: (batch..., lhs free..., rhs free...).
     nb = len(lb)
-    l_free = _free_dims(ql.ndim, lc, lb)
-    r_free = _free_dims(qr.ndim, rc, rb)
+    l_free = _free_dims(l_ndim, lc, lb)
+    r_free = _free_dims(r_ndim, rc, rb)
     g_batch = tuple(range(nb))
     g_lfree = tuple(range(nb, nb + len(l_free)))
     g_rfree = tuple(range(nb + len(l_free), nb + len(l_free) + len(r_free)))
@@ -436,19 +523,35 @@ def _fp8_dot_bwd(st: _Static, residuals, g):
     # dims come out in axis order.
     lc_of_rc = tuple(lc[rc.index(d)] for d in sorted(rc))
     rc_of_lc = tuple(rc[lc.index(d)] for d in sorted(lc))
+    return BwdLayout(
+        l_free, r_free, g_batch, g_lfree, g_rfree,
+        dlhs_ab=tuple(lb) + l_free + lc_of_rc, dlhs_ba=tuple(lb) + lc_of_rc + l_free,
+        drhs_ab=tuple(rb) + rc_of_lc + r_free, drhs_ba=tuple(rb) + r_free + rc_of_lc,
+    )
+
+
+def _fp8_dot_bwd(st: _Static, residuals, g):
+    recipe = st.recipe
+    ql, qr, l_used, r_used, l_amax, r_amax, (ls, lh, rs, rh, gs, gh) = residuals
+    (_, _), (lb, rb) = st.dims
+    qg, g_used, g_amax = _quantise_operand(recipe, g, gs, gh, recipe.grad_dtype)
+    lay = bwd_layout(st.dims, ql.ndim, qr.ndim)
+    ref = _compute_dtype(st)
+
+    def scaled(a, a_scale, b, b_scale, precision, out_dtype):
+        def gemm(swapped, dims):
+            if swapped:
+                return _gemm(st, b, b_scale, a, a_scale, dims, precision, out_dtype, ref)
+            return _gemm(st, a, a_scale, b, b_scale, dims, precision, out_dtype, ref)
+
+        return gemm
 
     # d lhs: contract g's rhs-free dims with rhs's free dims.
-    dlhs = _transposed_gemm(
-        st, qg, g_used, qr, r_used, g_rfree, r_free, g_batch, rb,
-        layout_ab=tuple(lb) + l_free + lc_of_rc, layout_ba=tuple(lb) + lc_of_rc + l_free,
-        precision=st.dlhs_precision, out_dtype=st.lhs_dtype,
-    )
+    dlhs = oriented_gemm(scaled(qg, g_used, qr, r_used, st.dlhs_precision, st.lhs_dtype),
+                         lay.g_rfree, lay.r_free, lay.g_batch, rb, lay.dlhs_ab, lay.dlhs_ba)
     # d rhs: contract g's lhs-free dims with lhs's free dims.
-    drhs = _transposed_gemm(
-        st, ql, l_used, qg, g_used, l_free, g_lfree, lb, g_batch,
-        layout_ab=tuple(rb) + rc_of_lc + r_free, layout_ba=tuple(rb) + r_free + rc_of_lc,
-        precision=st.drhs_precision, out_dtype=st.rhs_dtype,
-    )
+    drhs = oriented_gemm(scaled(ql, l_used, qg, g_used, st.drhs_precision, st.rhs_dtype),
+                         lay.l_free, lay.g_lfree, lb, lay.g_batch, lay.drhs_ab, lay.drhs_ba)
 
     # New state. Under vmap, residuals can come back batched along data axes where the
     # state is not; merging them again with max is exact (they are equal copies, or

@@ -1,0 +1,362 @@
+# Stateless recipes: the scale of a tensor comes from the tensor itself, at every call.
+#
+# A stateless recipe quantises one operand of a GEMM given the axes the GEMM contracts
+# (`AbstractStatelessRecipe.quantize`). The scale never varies along those axes for
+# "tensor" and "row" granularity, so the GEMM runs on the low-precision values and the
+# scales multiply its result (what an FP8/int8 kernel does). MX block scales vary along
+# the contracting axis; those GEMMs are emulated on the dequantised values (exact in
+# float32: every element times a power of two), with float32 accumulation.
+#
+# The backward pass quantises again for each backward GEMM, along that GEMM's own
+# contracting axes: the output gradient along the kernel's output features for the input
+# gradient, along the batch for the kernel gradient (rowwise and MX scales differ per
+# GEMM), as TransformerEngine and torchao do.
+
+import abc
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array
+
+from . import _formats
+
+
+class QuantizedArray(eqx.Module):
+    """A low-precision array and its scale(s): `x ≈ values * scale`.
+
+    - `values`: the quantised values (FP8, FP6, FP4 or int8).
+    - `scale`: the dequantisation scale. float32 and broadcastable against `values` for
+      tensor-wise (shape `()`) and row-wise (size 1 along the scaled-over axes) scales;
+      `float8_e8m0fnu`, one per block of `block_size` elements along `block_axis`, for
+      MX formats.
+    - `block_axis`, `block_size`: set for MX formats only.
+
+    Build one with [`fp8ax.quantize`][]; get the high-precision array back with
+    `.dequantize(dtype)`.
+    """
+
+    values: Array
+    scale: Array
+    block_axis: int | None = eqx.field(static=True, default=None)
+    block_size: int | None = eqx.field(static=True, default=None)
+    int_exponent: int = eqx.field(static=True, default=0)  # MXINT8's implicit 2**-6
+
+    def dequantize(self, dtype=jnp.float32) -> Array:
+        """`values * scale` in `dtype` (computed in float32)."""
+        if self.block_axis is None:
+            return (self.values.astype(jnp.float32) * self.scale).astype(dtype)
+        from ._mx import mx_dequantize
+
+        return mx_dequantize(self.values, self.scale, self.block_axis, self.block_size, dtype)
+
+    @property
+    def scale_factorises(self) -> bool:
+        # The scale is constant along every axis it was computed over (no blocks).
+        return self.block_axis is None
+
+
+Granularity = Literal["tensor", "row"]
+
+
+class AbstractStatelessRecipe(eqx.Module):
+    """A recipe whose scales come from the tensor being quantised, at every call.
+
+    Modules that use one carry no FP8 state. Concrete recipes are final.
+    """
+
+    fwd_dtype: eqx.AbstractVar[np.dtype]
+    grad_dtype: eqx.AbstractVar[np.dtype]
+
+    @abc.abstractmethod
+    def quantize(self, x: Array, contracting_axes: tuple[int, ...], dtype, key=None) -> QuantizedArray:
+        """Quantises `x`, an operand of a GEMM that contracts `contracting_axes`, to `dtype`."""
+
+
+def _check_granularity(value):
+    if value not in ("tensor", "row"):
+        raise ValueError(f"`granularity` must be 'tensor' or 'row', got {value!r}.")
+    return value
+
+
+def _check_bool(value, name):
+    if not isinstance(value, bool):
+        raise TypeError(f"`{name}` must be a bool, got {value!r}.")
+    return value
+
+
+def _dtypes_from_formats(formats, fwd_dtype, grad_dtype):
+    if formats not in ("hybrid", "e4m3"):
+        raise ValueError(f"`formats` must be 'hybrid' (E4M3 forward, E5M2 gradients) or 'e4m3', got {formats!r}.")
+    fwd = jnp.float8_e4m3fn if fwd_dtype is None else fwd_dtype
+    grad = (jnp.float8_e5m2 if formats == "hybrid" else jnp.float8_e4m3fn) if grad_dtype is None else grad_dtype
+    return _formats.as_fp8_dtype(fwd, "fwd_dtype"), _formats.as_fp8_dtype(grad, "grad_dtype")
+
+
+def _amax_scale(amax, bound: float, power_of_two: bool):
+    """Dequantisation scale `amax / bound`; 1 where that is not a positive finite number."""
+    scale = amax * jnp.float32(1.0 / bound)
+    if power_of_two:
+        # Round up to a power of two: the largest value still fits, and the scale itself
+        # is exact in any format.
+        scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
+    ok = jnp.isfinite(scale) & (scale > 0)
+    return jnp.where(ok, scale, jnp.float32(1.0))
+
+
+class CurrentScaling(AbstractStatelessRecipe):
+    """Current (just-in-time) scaling: each call scales a tensor by its own amax.
+
+    `scale = amax / fp8_max` (optionally rounded up to a power of two), computed from the
+    tensor being quantised, so nothing is kept between steps and nothing can be stale.
+    Granularity `"tensor"`: one scale per tensor. `"row"`: one scale per row of the
+    non-contracting dimensions (per input row for the activations, per output column for
+    the kernel, torchao's rowwise), the GEMM's result is rescaled by the outer product of
+    the two scale vectors.
+    """
+
+    granularity: Granularity = eqx.field(static=True)
+    power_of_two: bool = eqx.field(static=True)
+    fwd_dtype: np.dtype = eqx.field(static=True)
+    grad_dtype: np.dtype = eqx.field(static=True)
+    grad_rounding: Literal["nearest", "stochastic"] = eqx.field(static=True)
+    seed: int = eqx.field(static=True)
+
+    def __init__(
+        self,
+        granularity: Granularity = "tensor",
+        power_of_two: bool = False,
+        formats: Literal["hybrid", "e4m3"] = "hybrid",
+        *,
+        fwd_dtype=None,
+        grad_dtype=None,
+        grad_rounding: Literal["nearest", "stochastic"] = "nearest",
+        seed: int = 0,
+    ):
+        """**Arguments:**
+
+        - `granularity`: `"tensor"` (default) or `"row"`.
+        - `power_of_two`: round every scale up to a power of two.
+        - `formats`: `"hybrid"` (default: E4M3 forward, E5M2 gradients) or `"e4m3"`
+          (E4M3 everywhere).
+        - `fwd_dtype`, `grad_dtype`: override the formats with any FP8 dtype
+          (`jnp.float8_e4m3fnuz`, ...). (Keyword only arguments.)
+        - `grad_rounding`: `"nearest"` (default, round to nearest even) or
+          `"stochastic"` for the output gradient. (Keyword only argument.)
+        - `seed`: seed of the stochastic rounding. (Keyword only argument.)
+        """
+        self.granularity = _check_granularity(granularity)
+        self.power_of_two = _check_bool(power_of_two, "power_of_two")
+        self.fwd_dtype, self.grad_dtype = _dtypes_from_formats(formats, fwd_dtype, grad_dtype)
+        self.grad_rounding = _check_rounding(grad_rounding)
+        self.seed = _check_seed(seed)
+
+    def quantize(self, x, contracting_axes, dtype, key=None) -> QuantizedArray:
+        x = jnp.asarray(x)
+        axes = tuple(range(x.ndim)) if self.granularity == "tensor" else tuple(contracting_axes)
+        amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True).astype(jnp.float32) if x.size else jnp.ones(
+            (1,) * x.ndim, jnp.float32)
+        scale = _amax_scale(amax, _formats.fp8_max(dtype), self.power_of_two)
+        if self.granularity == "tensor":
+            scale = jnp.reshape(scale, ())
+        values = _cast(x, scale, dtype, key)
+        return QuantizedArray(values, scale)
+
+
+def _check_rounding(value):
+    if value not in ("nearest", "stochastic"):
+        raise ValueError(f"`grad_rounding` must be 'nearest' or 'stochastic', got {value!r}.")
+    return value
+
+
+def _check_seed(value):
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"`seed` must be an int, got {value!r}.")
+    return int(value)
+
+
+def _cast(x, scale, dtype, key):
+    """`x / scale` rounded to `dtype`: to nearest even, or stochastically with `key`."""
+    if key is None:
+        return _formats.quantize(x, scale, dtype)
+    from ._rounding import stochastic_round
+
+    bound = _formats.fp8_max(dtype)
+    xf = jnp.asarray(x).astype(jnp.float32)
+    scaled = jnp.clip(xf * (jnp.float32(1.0) / scale), -bound, bound)
+    return stochastic_round(jnp.where(jnp.isinf(xf), xf, scaled), dtype, key)
+
+
+def content_key(seed: int, x) -> jax.Array:
+    """A PRNG key that changes with the tensor's contents: `seed` folded with a 32-bit
+    hash of `x`'s bits. Reproducible given `seed` and `x`; a different tensor (the next
+    step's gradient) gets a different key."""
+    bits = lax.bitcast_convert_type(jnp.asarray(x).astype(jnp.float32), jnp.uint32)
+    weights = (jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761)) | jnp.uint32(1)
+    h = jnp.sum(jnp.ravel(bits) * weights, dtype=jnp.uint32)
+    return jax.random.fold_in(jax.random.key(seed), h)
+
+
+class MXScaling(AbstractStatelessRecipe):
+    """OCP Microscaling (MX v1.0): blocks of `block_size` consecutive elements along the
+    contracting dimension share one power-of-two scale, stored as E8M0.
+
+    Shared exponent (the spec's rule, `scale_rule="floor"`):
+    `floor(log2(amax of the block)) - emax` of the element type, clamped to E8M0's range;
+    elements are the block divided by `2**exponent`, rounded to nearest even in the
+    element type and saturated to its largest value. `scale_rule="ceil"` uses
+    `ceil(log2(amax / element_max))` instead, which never saturates. A contracting
+    dimension that is not a multiple of the block size is zero-padded for scaling only.
+
+    GEMMs with block scales are emulated: the blocks are dequantised (exact in float32)
+    and multiplied with float32 accumulation, which is what an MX kernel computes for the
+    same quantised inputs.
+    """
+
+    block_size: int = eqx.field(static=True)
+    fwd_element: str = eqx.field(static=True)
+    grad_element: str = eqx.field(static=True)
+    scale_rule: Literal["floor", "ceil"] = eqx.field(static=True)
+
+    def __init__(
+        self,
+        block_size: int = 32,
+        fwd_element: str = "e4m3",
+        grad_element: str = "e5m2",
+        scale_rule: Literal["floor", "ceil"] = "floor",
+    ):
+        """**Arguments:**
+
+        - `block_size`: elements per shared scale (default 32, the OCP value).
+        - `fwd_element`: element type of the forward operands: `"e4m3"` (default),
+          `"e5m2"`, `"e2m3"`, `"e3m2"` (FP6), `"e2m1"` (FP4) or `"int8"` (MXINT8).
+        - `grad_element`: element type of the output gradient (default `"e5m2"`).
+        - `scale_rule`: `"floor"` (the OCP spec's, default) or `"ceil"` (no saturation).
+        """
+        from ._mx import MX_ELEMENT_TYPES
+
+        if isinstance(block_size, bool) or not isinstance(block_size, int | np.integer) or block_size < 1:
+            raise ValueError(f"`block_size` must be an int >= 1, got {block_size!r}.")
+        for name, value in (("fwd_element", fwd_element), ("grad_element", grad_element)):
+            if value not in MX_ELEMENT_TYPES:
+                raise ValueError(f"`{name}` must be one of {sorted(MX_ELEMENT_TYPES)}, got {value!r}.")
+        if scale_rule not in ("floor", "ceil"):
+            raise ValueError(f"`scale_rule` must be 'floor' or 'ceil', got {scale_rule!r}.")
+        self.block_size = int(block_size)
+        self.fwd_element = fwd_element
+        self.grad_element = grad_element
+        self.scale_rule = scale_rule
+
+    @property
+    def fwd_dtype(self) -> np.dtype:
+        from ._mx import MX_ELEMENT_TYPES
+
+        return np.dtype(MX_ELEMENT_TYPES[self.fwd_element])
+
+    @property
+    def grad_dtype(self) -> np.dtype:
+        from ._mx import MX_ELEMENT_TYPES
+
+        return np.dtype(MX_ELEMENT_TYPES[self.grad_element])
+
+    def quantize(self, x, contracting_axes, dtype, key=None) -> QuantizedArray:
+        from ._mx import mx_quantize
+
+        del key  # stochastic rounding is not offered for MX formats
+        x = jnp.asarray(x)
+        element = self.fwd_element if np.dtype(dtype) == self.fwd_dtype else self.grad_element
+        # Blocks run along the (last) contracting axis.
+        axis = max(contracting_axes) % x.ndim if contracting_axes else x.ndim - 1
+        values, scales = mx_quantize(x, axis, element, self.block_size, self.scale_rule)
+        return QuantizedArray(values, scales, block_axis=axis, block_size=self.block_size)
+
+
+class Int8Scaling(AbstractStatelessRecipe):
+    """Symmetric int8 with dynamic per-row / per-column scales and int32 accumulation
+    (AQT's recipe).
+
+    Each operand gets one scale per slice over its non-contracting dimensions: per input
+    row for the activations, per output column for the kernel, `scale = amax / 127`, and
+    values `round(x / scale)` clipped to [-127, 127]. The GEMM runs on the int8 values
+    with an int32 result (`preferred_element_type=jnp.int32`), then multiplies by the
+    outer product of the scales.
+    """
+
+    grad_rounding: Literal["nearest", "stochastic"] = eqx.field(static=True)
+    seed: int = eqx.field(static=True)
+
+    def __init__(self, *, grad_rounding: Literal["nearest", "stochastic"] = "nearest", seed: int = 0):
+        """**Arguments:**
+
+        - `grad_rounding`: `"nearest"` (default) or `"stochastic"` rounding of the
+          output gradient. (Keyword only argument.)
+        - `seed`: seed of the stochastic rounding. (Keyword only argument.)
+        """
+        self.grad_rounding = _check_rounding(grad_rounding)
+        self.seed = _check_seed(seed)
+
+    @property
+    def fwd_dtype(self) -> np.dtype:
+        return np.dtype(np.int8)
+
+    @property
+    def grad_dtype(self) -> np.dtype:
+        return np.dtype(np.int8)
+
+    def quantize(self, x, contracting_axes, dtype, key=None) -> QuantizedArray:
+        from ._int8 import int8_quantize
+
+        del dtype
+        x = jnp.asarray(x)
+        if key is None:
+            values, scale = int8_quantize(x, tuple(contracting_axes))
+            return QuantizedArray(values, scale)
+        from ._rounding import stochastic_round
+
+        _, scale = int8_quantize(x, tuple(contracting_axes))
+        scaled = jnp.clip(x.astype(jnp.float32) * (jnp.float32(1.0) / scale), -127.0, 127.0)
+        return QuantizedArray(stochastic_round(scaled, jnp.int8, key), scale)
+
+
+def quantize(x, recipe: AbstractStatelessRecipe, axis: int | tuple[int, ...] = -1, *, grad: bool = False,
+             key=None) -> QuantizedArray:
+    """Quantises an array with a recipe, outside any GEMM (for inspection and serving).
+
+    **Arguments:**
+
+    - `x`: a floating-point array.
+    - `recipe`: [`fp8ax.CurrentScaling`][], [`fp8ax.MXScaling`][] or
+      [`fp8ax.Int8Scaling`][].
+    - `axis`: the axis (or axes) a GEMM would contract: row-wise and int8 scales are
+      shared over it, MX blocks run along it. Ignored by tensor-wise scaling.
+    - `grad`: quantise with the recipe's gradient format instead of the forward one.
+      (Keyword only argument.)
+    - `key`: a PRNG key for stochastic rounding (recipes with `grad_rounding="stochastic"`,
+      with `grad=True`). (Keyword only argument.)
+
+    **Returns:**
+
+    A [`fp8ax.QuantizedArray`][]: `values`, `scale`, and `.dequantize(dtype)`.
+    """
+    if not isinstance(recipe, AbstractStatelessRecipe):
+        raise TypeError(
+            "`recipe` must be a stateless recipe (`fp8ax.CurrentScaling`, `fp8ax.MXScaling`, `fp8ax.Int8Scaling`), "
+            f"got {type(recipe).__name__}. `DelayedScaling` takes its scale from the history of a layer, not from "
+            "one tensor: quantise with `CurrentScaling()` for the same per-tensor scale of a given tensor."
+        )
+    if not isinstance(x, jax.Array | np.ndarray) or not jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating):
+        raise TypeError(f"`x` must be a floating-point array, got {getattr(x, 'dtype', type(x).__name__)}.")
+    x = jnp.asarray(x)
+    axes = (axis,) if isinstance(axis, int | np.integer) else tuple(axis)
+    bad = [a for a in axes if not -x.ndim <= a < x.ndim]
+    if bad or not axes:
+        raise ValueError(f"`axis` must name axes of `x` (shape {x.shape}), got {axis!r}.")
+    axes = tuple(sorted(a % x.ndim for a in axes))
+    dtype = recipe.grad_dtype if grad else recipe.fwd_dtype
+    stochastic = grad and getattr(recipe, "grad_rounding", "nearest") == "stochastic"
+    if stochastic and key is None:
+        raise ValueError("`key` is required: the recipe rounds gradients stochastically.")
+    return recipe.quantize(x, axes, dtype, key if stochastic else None)

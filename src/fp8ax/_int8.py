@@ -1,0 +1,150 @@
+"""AQT-style symmetric int8 quantisation and int8 x int8 -> int32 dot_general."""
+
+import operator
+from collections.abc import Sequence
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array, ArrayLike
+
+INT8_MAX = 127
+
+# Slices whose amax is below this are treated as all-zero: 127 / amax would overflow
+# float32 (and amax / 127 would be subnormal, which XLA may flush to zero).
+_TINY_AMAX = INT8_MAX * float(np.finfo(np.float32).tiny)
+
+DimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
+
+
+def _normalise_axes(axes, ndim: int, argname: str) -> tuple[int, ...]:
+    try:
+        axes = tuple(operator.index(a) for a in axes)
+    except TypeError:
+        raise TypeError(f"`{argname}` must be a tuple of ints, got {axes!r}.") from None
+    out = []
+    for a in axes:
+        if not -ndim <= a < ndim:
+            raise ValueError(f"`{argname}` has axis {a}, out of range for an array of rank {ndim}.")
+        out.append(a % ndim)
+    if len(set(out)) != len(out):
+        raise ValueError(f"`{argname}` has repeated axes: {axes!r}.")
+    return tuple(out)
+
+
+def int8_quantize(x: ArrayLike, contracting_axes: tuple[int, ...]) -> tuple[Array, Array]:
+    """Symmetric per-slice int8 quantisation, as AQT's simplest int8 configuration.
+
+    **Arguments:**
+
+    - `x`: a floating-point array, computed in float32.
+    - `contracting_axes`: the axes the matmul will contract over (negative axes count
+        from the end). One scale is computed per slice over the remaining axes, so that
+        it factors out of the contraction (e.g. `(1,)` for the rows of activations
+        `a @ w`, `(0,)` for the columns of the weights).
+
+    **Returns:**
+
+    `(values, scale)`: `values` is int8 with `x`'s shape, in `[-127, 127]`; `scale` is
+    float32 with `x`'s rank and size 1 along `contracting_axes` (keepdims), the
+    *dequantisation* scale, so that `values * scale ~ x`.
+
+    With `amax = max |x|` over `contracting_axes`, `scale = amax / 127` and
+    `values = clip(round_half_to_even(x * (127 / amax)), -127, 127)`. Quantising by
+    multiplying with `127 / amax` (not dividing by `scale`) is what AQT does: the
+    integer values are bit-for-bit AQT's (the two can differ by one at rounding ties).
+    A slice whose amax is zero (or below `127 * float32 tiny`, ~1.5e-36) gets
+    `scale = 1` and values 0. int8 has no NaN or inf: a slice containing one has
+    meaningless values (check amax for finiteness upstream).
+    """
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"`x` must be a floating-point array, got dtype {x.dtype}.")
+    axes = _normalise_axes(contracting_axes, x.ndim, "contracting_axes")
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=axes, keepdims=True)
+    nonzero = amax >= jnp.float32(_TINY_AMAX)
+    safe_amax = jnp.where(nonzero, amax, jnp.float32(INT8_MAX))
+    inv_scale = jnp.float32(INT8_MAX) / safe_amax  # 1 for all-zero slices
+    scale = jnp.where(nonzero, amax / jnp.float32(INT8_MAX), jnp.float32(1))
+    values = jnp.clip(jnp.round(xf * inv_scale), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    return values, scale
+
+
+def _scale_layout(
+    scale: Array, operand_shape: tuple[int, ...], batch: tuple[int, ...], contract: tuple[int, ...], argname: str
+) -> tuple[Array, int]:
+    """`scale` transposed to (batch dims, free dims), contracting dims dropped; and the
+    number of free dims."""
+    if scale.ndim != len(operand_shape):
+        raise ValueError(
+            f"`{argname}` must have the operand's rank {len(operand_shape)} (keepdims), got shape {scale.shape}."
+        )
+    for d, (s, n) in enumerate(zip(scale.shape, operand_shape)):
+        if d in contract and s != 1:
+            raise ValueError(
+                f"`{argname}` must have size 1 along the contracting dimensions {contract}, got shape {scale.shape}."
+            )
+        if s not in (1, n):
+            raise ValueError(f"`{argname}` of shape {scale.shape} does not broadcast to the operand's {operand_shape}.")
+    free = tuple(d for d in range(scale.ndim) if d not in batch and d not in contract)
+    kept = batch + free
+    scale = jnp.transpose(scale, kept + contract).reshape(tuple(scale.shape[d] for d in kept))
+    return scale, len(free)
+
+
+def int8_dot_general(
+    lhs_q: ArrayLike,
+    lhs_scale: ArrayLike,
+    rhs_q: ArrayLike,
+    rhs_scale: ArrayLike,
+    dimension_numbers: DimensionNumbers,
+    out_dtype,
+) -> Array:
+    """`lax.dot_general` of int8-quantised operands, accumulated in int32, then rescaled.
+
+    **Arguments:**
+
+    - `lhs_q`, `rhs_q`: int8 operands (from [`int8_quantize`][]).
+    - `lhs_scale`, `rhs_scale`: their float32 dequantisation scales, with the operands'
+        rank and size 1 along the contracting dimensions (size 1 or full elsewhere), as
+        returned by `int8_quantize` with those contracting axes.
+    - `dimension_numbers`: as for `lax.dot_general`:
+        `((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`.
+    - `out_dtype`: the dtype of the result.
+
+    **Returns:**
+
+    `float32(dot_general(lhs_q, rhs_q, preferred_element_type=int32)) * lhs_s * rhs_s`,
+    cast to `out_dtype`, where `lhs_s * rhs_s` is the outer product of the two scales
+    laid out as dot_general's output: batch dims, then lhs free dims, then rhs free
+    dims. The integer accumulation is exact (for contractions shorter than
+    `2**31 / 127**2 ~ 133,000` elements); the result is rounded once when converted to
+    float32 and twice more by the two scale multiplications.
+    """
+    lhs_q = jnp.asarray(lhs_q)
+    rhs_q = jnp.asarray(rhs_q)
+    for name, q in (("lhs_q", lhs_q), ("rhs_q", rhs_q)):
+        if q.dtype != jnp.int8:
+            raise TypeError(f"`{name}` must be an int8 array, got dtype {q.dtype}.")
+    try:
+        (lc, rc), (lb, rb) = dimension_numbers
+    except (TypeError, ValueError):
+        raise TypeError(
+            "`dimension_numbers` must be ((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch)), "
+            f"got {dimension_numbers!r}."
+        ) from None
+    lc = _normalise_axes(lc, lhs_q.ndim, "dimension_numbers")
+    rc = _normalise_axes(rc, rhs_q.ndim, "dimension_numbers")
+    lb = _normalise_axes(lb, lhs_q.ndim, "dimension_numbers")
+    rb = _normalise_axes(rb, rhs_q.ndim, "dimension_numbers")
+    acc = lax.dot_general(lhs_q, rhs_q, ((lc, rc), (lb, rb)), preferred_element_type=jnp.int32)
+
+    ls, n_lfree = _scale_layout(jnp.asarray(lhs_scale, jnp.float32), lhs_q.shape, lb, lc, "lhs_scale")
+    rs, n_rfree = _scale_layout(jnp.asarray(rhs_scale, jnp.float32), rhs_q.shape, rb, rc, "rhs_scale")
+    nb = len(lb)
+    # lhs: (batch, lhs free, 1...); rhs: (batch, 1..., rhs free). Same rank, so the
+    # product is the outer product over the free dims (size-1 dims broadcast).
+    ls = ls.reshape(ls.shape + (1,) * n_rfree)
+    rs = rs.reshape(rs.shape[:nb] + (1,) * n_lfree + rs.shape[nb:])
+    return (acc.astype(jnp.float32) * (ls * rs)).astype(out_dtype)

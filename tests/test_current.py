@@ -1,0 +1,222 @@
+"""Stateless recipes through Fp8DotGeneral: CurrentScaling (tensor / row), MXScaling,
+Int8Scaling, per-operand recipes, high-precision GEMMs, stochastic rounding, quantize().
+
+References are NumPy/ml_dtypes computations written here. Outputs of GEMMs on quantised
+operands are compared to a float64 product of the same quantised values times the
+scales, to float32 rounding (rtol 1e-5 relative to the largest output).
+"""
+
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from helpers import Batch, Deep, In, Out, sqnr
+
+import fp8ax
+
+DIMS = (((1,), (0,)), ((), ()))
+
+
+def _ref_fp8(x, scale, ml_dtype, bound):
+    x = np.asarray(x, np.float32)
+    return np.clip(x * (np.float32(1.0) / scale), -bound, bound).astype(ml_dtype).astype(np.float64)
+
+
+def _close(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.max(np.abs(want)))
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+@pytest.mark.parametrize("power_of_two", [False, True])
+def test_current_scaling_forward_matches_numpy(granularity, power_of_two, getkey):
+    x = jax.random.normal(getkey(), (6, 8)) * jnp.arange(1.0, 7.0)[:, None]
+    w = jax.random.normal(getkey(), (8, 5))
+    dg = fp8ax.Fp8DotGeneral.init(fp8ax.CurrentScaling(granularity, power_of_two))
+    y = dg(x, w, DIMS)
+    xn, wn = np.asarray(x), np.asarray(w)
+    if granularity == "tensor":
+        ax, aw = np.abs(xn).max(keepdims=True), np.abs(wn).max(keepdims=True)
+    else:
+        ax, aw = np.abs(xn).max(1, keepdims=True), np.abs(wn).max(0, keepdims=True)
+    sx, sw = (a.astype(np.float32) * np.float32(1 / 448) for a in (ax, aw))
+    if power_of_two:
+        sx, sw = (np.exp2(np.ceil(np.log2(s))).astype(np.float32) for s in (sx, sw))
+    want = (_ref_fp8(xn, sx, ml_dtypes.float8_e4m3fn, 448) @ _ref_fp8(wn, sw, ml_dtypes.float8_e4m3fn, 448)) * sx * sw
+    _close(y, want)
+    # Stateless: nothing to overwrite.
+    assert jax.tree.leaves(fp8ax.partition_for_grad_overwrite(dg)[0]) == []
+
+
+def test_row_scaling_beats_tensor_scaling_on_outlier_rows(getkey):
+    x = jax.random.normal(getkey(), (64, 128)).at[3].multiply(1e5)
+    w = jax.random.normal(getkey(), (128, 32))
+    ref = x @ w
+    got = {g: sqnr(np.asarray(ref)[np.arange(64) != 3], np.asarray(
+        fp8ax.Fp8DotGeneral.init(fp8ax.CurrentScaling(g))(x, w, DIMS))[np.arange(64) != 3]) for g in ("tensor", "row")}
+    # Row-wise keeps the ordinary rows at E4M3's ~28 dB; one tensor-wise scale set by a
+    # row 1e5 times larger puts them in E4M3's subnormal range (and below).
+    assert got["row"] > 25 > got["tensor"] + 5, got
+
+
+@pytest.mark.parametrize("recipe", [fp8ax.CurrentScaling("tensor"), fp8ax.CurrentScaling("row"),
+                                    fp8ax.MXScaling(8), fp8ax.Int8Scaling()], ids=lambda r: type(r).__name__ + (
+                                        getattr(r, "granularity", "")))
+def test_gradients_follow_the_quantised_backward_gemms(recipe, getkey):
+    # The backward GEMMs quantise g and the operands again along their own contracting
+    # axes; compare with quantising by hand and multiplying in float64.
+    x = jax.random.normal(getkey(), (16, 24))
+    w = jax.random.normal(getkey(), (24, 8))
+    gy = jax.random.normal(getkey(), (16, 8))
+    dg = fp8ax.Fp8DotGeneral.init(recipe)
+    dx, dw = jax.grad(lambda x, w: jnp.sum(dg(x, w, DIMS) * gy), argnums=(0, 1))(x, w)
+
+    def deq(a, axis, grad):
+        return np.asarray(fp8ax.quantize(a, recipe, axis, grad=grad).dequantize(jnp.float32), np.float64)
+
+    want_dx = deq(gy, 1, True) @ deq(w, 1, False).T  # contracts the output features
+    want_dw = deq(x, 0, False).T @ deq(gy, 0, True)  # contracts the batch
+    _close(dx, want_dx)
+    _close(dw, want_dw)
+    # ...and they are close to the float32 gradients (E5M2/int8 gradient noise).
+    assert sqnr(x.T @ gy @ jnp.eye(8), dw) > 15
+
+
+def test_aqt_worked_example_through_the_module():
+    # The seed's "How AQT Works Internally" example: per-row int8 activations, per-column
+    # int8 weights, int32 accumulation. Expected values printed in the AQT README.
+    def gen_matrix(rows, columns, seed=0):
+        np.random.seed(seed)
+        return np.random.normal(size=(rows, columns)).reshape((rows, columns))
+
+    a = jnp.asarray(gen_matrix(3, 4), jnp.float32)
+    w = jnp.asarray(gen_matrix(4, 5), jnp.float32)
+    got = fp8ax.Fp8DotGeneral.init(fp8ax.Int8Scaling())(a, w, DIMS)
+    want = np.array([
+        [3.5998788, 5.8562713, 1.9385538, 4.7426414, 1.9792401],
+        [4.321886, 0.99681264, 2.737299, 4.3591022, 3.6352503],
+        [-0.07714217, 2.7415617, -0.35343346, 0.20568734, -1.1974115],
+    ])
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+    # The GEMM itself is int8 x int8 -> int32.
+    text = jax.jit(lambda a, w: fp8ax.Fp8DotGeneral.init(fp8ax.Int8Scaling())(a, w, DIMS)).lower(a, w).as_text()
+    assert "tensor<3x4xi8>" in text and "-> tensor<3x5xi32>" in text
+
+
+def test_per_operand_recipes_and_high_precision_gemms(getkey):
+    x = jax.random.normal(getkey(), (16, 24))
+    w = jax.random.normal(getkey(), (24, 8))
+    gy = jax.random.normal(getkey(), (16, 8))
+
+    def grads(**kw):
+        dg = fp8ax.Fp8DotGeneral.init(fp8ax.CurrentScaling("row"), **kw)
+        y = dg(x, w, DIMS)
+        return (y, *jax.grad(lambda x, w: jnp.sum(dg(x, w, DIMS) * gy), argnums=(0, 1))(x, w))
+
+    y, dx, dw = grads(high_precision_gemms=("drhs",))  # torchao's rowwise_with_gw_hp
+    np.testing.assert_allclose(np.asarray(dw), np.asarray(x.T @ gy), rtol=1e-5, atol=1e-5)
+    assert sqnr(x.T @ gy, grads()[2]) < 40  # quantised when not excluded
+    y, dx, dw = grads(lhs_recipe="off", rhs_recipe="off")  # only the gradient quantised
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x @ w), rtol=1e-5, atol=1e-5)
+    y, dx, dw = grads(grad_recipe="off")
+    np.testing.assert_allclose(np.asarray(dw), np.asarray(
+        fp8ax.quantize(x, fp8ax.CurrentScaling("row"), 0).dequantize().T @ gy), rtol=1e-5, atol=1e-5)
+    # Another recipe for one operand: the kernel in MX.
+    y, _, _ = grads(rhs_recipe=fp8ax.MXScaling(8))
+    qx = fp8ax.quantize(x, fp8ax.CurrentScaling("row"), 1).dequantize()
+    qw = fp8ax.quantize(w, fp8ax.MXScaling(8), 0).dequantize()
+    _close(y, np.asarray(qx, np.float64) @ np.asarray(qw, np.float64))
+    with pytest.raises(ValueError, match="need a stateless `recipe`"):
+        fp8ax.Fp8Config(high_precision_gemms=("drhs",))
+    with pytest.raises(ValueError, match="`high_precision_gemms` must be a sequence of names"):
+        fp8ax.Fp8Config(recipe=fp8ax.CurrentScaling(), high_precision_gemms=("wgrad",))
+    with pytest.raises(TypeError, match="`lhs_recipe` must be None"):
+        fp8ax.Fp8Config(recipe=fp8ax.CurrentScaling(), lhs_recipe=fp8ax.DelayedScaling())
+
+
+def test_stochastic_rounding_of_gradients(getkey):
+    recipe = fp8ax.CurrentScaling(grad_rounding="stochastic", seed=3)
+    g = jax.random.normal(getkey(), (64, 32))
+    # Reproducible given the key; a different key rounds differently; unbiased.
+    q1 = fp8ax.quantize(g, recipe, 1, grad=True, key=jax.random.key(0)).dequantize()
+    q2 = fp8ax.quantize(g, recipe, 1, grad=True, key=jax.random.key(0)).dequantize()
+    q3 = fp8ax.quantize(g, recipe, 1, grad=True, key=jax.random.key(1)).dequantize()
+    np.testing.assert_array_equal(np.asarray(q1), np.asarray(q2))
+    assert not np.array_equal(np.asarray(q1), np.asarray(q3))
+    keys = jax.random.split(jax.random.key(9), 2000)
+    mean = jnp.mean(jax.vmap(lambda k: fp8ax.quantize(g, recipe, 1, grad=True, key=k).dequantize())(keys), axis=0)
+    nearest = fp8ax.quantize(g, fp8ax.CurrentScaling(), 1, grad=True).dequantize()
+    # The mean of 2000 roundings is much closer to g than round-to-nearest is.
+    assert float(jnp.max(jnp.abs(mean - g))) < 0.2 * float(jnp.max(jnp.abs(nearest - g)))
+    # In the module the key comes from the gradient's contents: a new gradient (a new
+    # step) rounds with a new key, the same gradient reproduces.
+    x, w = jax.random.normal(getkey(), (64, 16)), jax.random.normal(getkey(), (16, 32))
+    dg = fp8ax.Fp8DotGeneral.init(recipe)
+    dw = jax.grad(lambda w, gy: jnp.sum(dg(x, w, DIMS) * gy))
+    np.testing.assert_array_equal(np.asarray(dw(w, g)), np.asarray(dw(w, g)))
+    near = fp8ax.Fp8DotGeneral.init(fp8ax.CurrentScaling())
+    dw_near = jax.grad(lambda w, gy: jnp.sum(near(x, w, DIMS) * gy))
+    assert not np.array_equal(np.asarray(dw(w, g)), np.asarray(dw_near(w, g)))
+    with pytest.raises(ValueError, match="`key` is required"):
+        fp8ax.quantize(g, recipe, 1, grad=True)
+
+
+def test_quantize_api(getkey):
+    x = jax.random.normal(getkey(), (8, 64))
+    q = fp8ax.quantize(x, fp8ax.CurrentScaling("row"), axis=1)
+    assert q.values.dtype == jnp.float8_e4m3fn and q.scale.shape == (8, 1) and q.scale.dtype == jnp.float32
+    assert q.dequantize(jnp.bfloat16).dtype == jnp.bfloat16
+    assert sqnr(x, q.dequantize()) > 25
+    mx = fp8ax.quantize(x, fp8ax.MXScaling(), axis=1)
+    assert mx.values.shape == (8, 64) and mx.scale.shape == (8, 2) and mx.scale.dtype == jnp.float8_e8m0fnu
+    i8 = fp8ax.quantize(x, fp8ax.Int8Scaling(), axis=1)
+    assert i8.values.dtype == jnp.int8 and i8.scale.shape == (8, 1)
+    assert fp8ax.quantize(x, fp8ax.CurrentScaling(formats="e4m3"), grad=True).values.dtype == jnp.float8_e4m3fn
+    assert fp8ax.quantize(x, fp8ax.CurrentScaling(), grad=True).values.dtype == jnp.float8_e5m2
+    assert fp8ax.quantize(x, fp8ax.CurrentScaling(fwd_dtype=jnp.float8_e4m3fnuz)).values.dtype == jnp.float8_e4m3fnuz
+    with pytest.raises(TypeError, match="`recipe` must be a stateless recipe"):
+        fp8ax.quantize(x, fp8ax.DelayedScaling())
+    with pytest.raises(ValueError, match="`axis` must name axes of `x`"):
+        fp8ax.quantize(x, fp8ax.CurrentScaling(), axis=2)
+    with pytest.raises(TypeError, match="`x` must be a floating-point array"):
+        fp8ax.quantize(jnp.arange(3), fp8ax.CurrentScaling())
+    with pytest.raises(ValueError, match="`granularity` must be 'tensor' or 'row'"):
+        fp8ax.CurrentScaling("block")
+    with pytest.raises(ValueError, match="`formats` must be 'hybrid'"):
+        fp8ax.CurrentScaling(formats="e5m2")
+    with pytest.raises(ValueError, match="`fwd_element` must be one of"):
+        fp8ax.MXScaling(fwd_element="e8m0")
+
+
+ALL = [fp8ax.CurrentScaling(), fp8ax.CurrentScaling("row", True), fp8ax.MXScaling(8), fp8ax.MXScaling(8, "e2m1", "e2m1"),
+       fp8ax.Int8Scaling()]
+
+
+@pytest.mark.parametrize("recipe", ALL, ids=lambda r: repr(r).split("(")[0])
+def test_recipes_under_transforms(recipe, getkey):
+    # jit, grad, vmap, scan and Stacked, each against the same computation without the
+    # transform (bit for bit: the same ops on the same values).
+    x = jax.random.normal(getkey(), (4, 16))
+    w = jax.random.normal(getkey(), (16, 8))
+    dg = fp8ax.Fp8DotGeneral.init(recipe)
+    y = dg(x, w, DIMS)
+    np.testing.assert_array_equal(np.asarray(jax.jit(lambda x, w: dg(x, w, DIMS))(x, w)), np.asarray(y))
+    xs = jnp.stack([x, 2 * x, -x])
+    ys = jax.lax.scan(lambda c, xi: (c, dg(xi, w, DIMS)), 0.0, xs)[1]
+    np.testing.assert_array_equal(np.asarray(ys[1]), np.asarray(dg(2 * x, w, DIMS)))
+    yv = jax.vmap(lambda xi: dg(xi, w, DIMS))(xs)
+    np.testing.assert_array_equal(np.asarray(yv[2]), np.asarray(dg(-x, w, DIMS)))
+    g = jax.grad(lambda w: jnp.sum(jax.vmap(lambda xi: dg(xi, w, DIMS))(xs) ** 2))(w)
+    assert g.shape == w.shape and bool(jnp.all(jnp.isfinite(g)))
+    # A stacked Haliax model: converted, differentiated, no state.
+    model = fp8ax.fp8_linear_layers(Deep.init(key=getkey()), fp8ax.Fp8Config(recipe=recipe))
+    xb = hax.random.normal(getkey(), (Batch, In))
+    grads = eqx.filter_grad(lambda m: hax.mean(m(xb) ** 2).scalar())(model)
+    overwrite, rest = fp8ax.partition_for_grad_overwrite(grads)
+    assert jax.tree.leaves(overwrite) == []
+    assert rest.blocks.stacked.mlp.up_proj.weight.array.shape == model.blocks.stacked.mlp.up_proj.weight.array.shape
+    new = fp8ax.apply_updates(model, jax.tree.map(lambda a: -0.1 * a, rest), overwrite)
+    assert new.head(xb).axes == (Batch, Out)
