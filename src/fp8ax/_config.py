@@ -79,7 +79,8 @@ class Fp8Config(eqx.Module):
           while it is still sharded, and lay the FP8 weight out as the current Haliax axis
           mapping asks (inside `haliax.named_jit(..., axis_resources=...)`), so the
           all-gather moves FP8 bytes instead of bf16/f32 ones (keyword only). No effect
-          on `equinox.nn.Linear` layers or outside an axis mapping. See the "Distributed
+          on `equinox.nn.Linear` layers, outside an axis mapping, or with stateless
+          recipes (their weight is quantised per GEMM, after the gather). See the "Distributed
           training" page of the docs.
         - `lhs_recipe`, `rhs_recipe`, `grad_recipe`, `high_precision_gemms`: per-operand
           recipes and GEMMs kept in high precision, for stateless recipes; see

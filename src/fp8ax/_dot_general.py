@@ -81,12 +81,15 @@ def _check_recipe_and_mode(recipe, mode) -> None:
 
 
 class Fp8DotGeneral(OverwriteWithGradient):
-    """FP8 drop-in for `jax.lax.dot_general`, with per-tensor delayed scaling.
+    """Low-precision drop-in for `jax.lax.dot_general`: FP8 (or MX, or int8) GEMMs.
 
-    Holds the scaling state of its three tensors as float32 leaves: `lhs` (the input),
-    `rhs` (the kernel) and `grad` (the gradient of the output), each a
-    [`fp8ax.ScalingState`][] with `scale` and `amax_history`. Its custom VJP returns the
-    new state as the "gradient" of those leaves; see [`fp8ax.apply_updates`][].
+    With [`fp8ax.DelayedScaling`][] (the default) it holds the scaling state of its three
+    tensors as float32 leaves: `lhs` (the input), `rhs` (the kernel) and `grad` (the
+    gradient of the output), each a [`fp8ax.ScalingState`][] with `scale` and
+    `amax_history`. Its custom VJP returns the new state as the "gradient" of those
+    leaves; see [`fp8ax.apply_updates`][]. With a stateless recipe
+    ([`fp8ax.CurrentScaling`][], [`fp8ax.MXScaling`][], [`fp8ax.Int8Scaling`][]) the three
+    fields are `None` and the module has no array leaves.
 
     It has the call signature of `jax.lax.dot_general`, so it goes wherever Haliax takes a
     `dot_general`: `hax.nn.Linear(..., dot_general=...)`, `hax.dot(..., dot_general=...)`,

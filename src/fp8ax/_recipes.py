@@ -87,8 +87,9 @@ class DelayedScaling(AbstractScalingRecipe):
         amax_compute_algo: Literal["max", "most_recent"] = "max",
         calibrate_first_call: bool = True,
         *,
-        fwd_dtype=jnp.float8_e4m3fn,
-        grad_dtype=jnp.float8_e5m2,
+        formats: Literal["hybrid", "e4m3"] = "hybrid",
+        fwd_dtype=None,
+        grad_dtype=None,
     ):
         """**Arguments:**
 
@@ -103,17 +104,20 @@ class DelayedScaling(AbstractScalingRecipe):
           for E4M3) and flushes small gradients to zero. `False` gives Haliax's and
           Flax's first step exactly; later scales can differ from theirs in the last bit
           (they compute the same quotient in another order).
-        - `fwd_dtype`: FP8 format of the forward operands (default E4M3, `jnp.float8_e4m3fn`).
-          (Keyword only argument.)
-        - `grad_dtype`: FP8 format of the output gradient (default E5M2,
-          `jnp.float8_e5m2`). (Keyword only argument.)
+        - `formats`: `"hybrid"` (default: E4M3 forward, E5M2 gradients) or `"e4m3"`
+          (E4M3 everywhere). (Keyword only argument.)
+        - `fwd_dtype`: FP8 format of the forward operands, overriding `formats` (E4M3,
+          `jnp.float8_e4m3fn`, by default). (Keyword only argument.)
+        - `grad_dtype`: FP8 format of the output gradient, overriding `formats`
+          (`jnp.float8_e5m2` for `"hybrid"`). (Keyword only argument.)
         """
         self.history_length = history_length
         self.margin = margin
         self.amax_compute_algo = amax_compute_algo
         self.calibrate_first_call = calibrate_first_call
-        self.fwd_dtype = fwd_dtype
-        self.grad_dtype = grad_dtype
+        from ._current import _dtypes_from_formats
+
+        self.fwd_dtype, self.grad_dtype = _dtypes_from_formats(formats, fwd_dtype, grad_dtype)
 
     def __check_init__(self):
         if isinstance(self.history_length, bool) or not isinstance(self.history_length, int | np.integer):
