@@ -23,6 +23,7 @@ from jax import lax
 from jaxtyping import Array
 
 from . import _formats
+from ._recipes import AbstractScalingRecipe
 
 
 class QuantizedArray(eqx.Module):
@@ -62,14 +63,15 @@ class QuantizedArray(eqx.Module):
 Granularity = Literal["tensor", "row"]
 
 
-class AbstractStatelessRecipe(eqx.Module):
+class AbstractStatelessRecipe(AbstractScalingRecipe):
     """A recipe whose scales come from the tensor being quantised, at every call.
 
     Modules that use one carry no FP8 state. Concrete recipes are final.
     """
 
-    fwd_dtype: eqx.AbstractVar[np.dtype]
-    grad_dtype: eqx.AbstractVar[np.dtype]
+    @property
+    def stateful(self) -> bool:
+        return False
 
     @abc.abstractmethod
     def quantize(self, x: Array, contracting_axes: tuple[int, ...], dtype, key=None) -> QuantizedArray:

@@ -36,7 +36,7 @@ def check_operand_recipes(recipe, lhs_recipe, rhs_recipe, grad_recipe, high_prec
         raise ValueError(f"`high_precision_gemms` must be a sequence of names from {_GEMMS}, got {high_precision_gemms!r}.")
     high_precision_gemms = tuple(g for g in _GEMMS if g in tuple(high_precision_gemms))
     changed = any(v is not None for v in overrides.values()) or high_precision_gemms
-    if changed and isinstance(recipe, AbstractScalingRecipe):
+    if changed and isinstance(recipe, AbstractScalingRecipe) and recipe.stateful:
         raise ValueError(
             "Per-operand recipes and `high_precision_gemms` need a stateless `recipe` (`fp8ax.CurrentScaling`, "
             f"`fp8ax.MXScaling`, `fp8ax.Int8Scaling`); got {type(recipe).__name__}, whose state covers all three "
@@ -69,9 +69,7 @@ def _check_compute_dtype(value) -> np.dtype:
 
 
 def _check_recipe_and_mode(recipe, mode) -> None:
-    from ._current import AbstractStatelessRecipe
-
-    if not isinstance(recipe, AbstractScalingRecipe | AbstractStatelessRecipe):
+    if not isinstance(recipe, AbstractScalingRecipe):
         raise TypeError(
             "`recipe` must be an fp8ax recipe (`fp8ax.DelayedScaling()`, `fp8ax.CurrentScaling()`, "
             f"`fp8ax.MXScaling()`, `fp8ax.Int8Scaling()`), got {type(recipe).__name__}."
@@ -175,7 +173,7 @@ class Fp8DotGeneral(OverwriteWithGradient):
         _check_recipe_and_mode(recipe, mode)
         lhs_recipe, rhs_recipe, grad_recipe, high_precision_gemms = check_operand_recipes(
             recipe, lhs_recipe, rhs_recipe, grad_recipe, high_precision_gemms)
-        stateful = isinstance(recipe, AbstractScalingRecipe)
+        stateful = recipe.stateful
         if compute_dtype is not None:
             compute_dtype = _check_compute_dtype(compute_dtype)
         batch_shape = tuple(int(b) for b in batch_shape)
@@ -251,7 +249,7 @@ class Fp8DotGeneral(OverwriteWithGradient):
             jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
             jax.ShapeDtypeStruct(rhs.shape, rhs.dtype),
         )
-        if not isinstance(self.recipe, AbstractScalingRecipe):
+        if not self.recipe.stateful:
             return self._stateless_call(lhs, rhs, dims, precision, preferred_element_type, out.dtype)
         raw = []
         for name in ("lhs", "rhs", "grad"):

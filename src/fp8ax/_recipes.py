@@ -1,4 +1,3 @@
-import abc
 from typing import Literal
 
 import equinox as eqx
@@ -19,20 +18,35 @@ def _grad_dtype(value):
 
 
 class AbstractScalingRecipe(eqx.Module):
-    """How an FP8 dot general chooses its scales and what state it keeps.
+    """How a low-precision dot general chooses its scales: the one interface of every
+    fp8ax recipe.
 
-    A recipe is configuration only (all of its fields are static). Concrete recipes are
-    final: to change one, wrap it rather than subclass it.
+    A recipe is configuration only (all of its fields are static). It names the formats
+    of the forward operands and of the output gradient (`fwd_dtype`, `grad_dtype`), and
+    keeps state only if it needs it:
+
+    - *stateful* recipes ([`fp8ax.DelayedScaling`][]) implement `init_state`,
+      `scale_for_call` and `next_state`: the scale comes from a state that training
+      writes back through the gradient (see [`fp8ax.apply_updates`][]);
+    - *stateless* recipes ([`fp8ax.AbstractStatelessRecipe`][]: current, MX, int8)
+      implement `quantize`: the scale comes from the tensor itself, and modules carry no
+      state.
+
+    Concrete recipes are final: to change one, wrap it rather than subclass it.
     """
 
     fwd_dtype: eqx.AbstractVar[np.dtype]
     grad_dtype: eqx.AbstractVar[np.dtype]
 
-    @abc.abstractmethod
-    def init_state(self, batch_shape: tuple[int, ...] = ()) -> ScalingState:
-        """Fresh state for one operand (`batch_shape` for stacked layers)."""
+    @property
+    def stateful(self) -> bool:
+        """Whether the recipe keeps state between steps."""
+        return True
 
-    @abc.abstractmethod
+    def init_state(self, batch_shape: tuple[int, ...] = ()) -> ScalingState:
+        """Fresh state for one operand (`batch_shape` for stacked layers). Stateful recipes."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no state.")
+
     def scale_for_call(
         self,
         scale: Float[Array, ""],
@@ -41,9 +55,9 @@ class AbstractScalingRecipe(eqx.Module):
         fp8_max: float,
     ) -> Float[Array, ""]:
         """The dequantisation scale one call uses, from the state before the call and the
-        call's own amax."""
+        call's own amax. Stateful recipes."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no state.")
 
-    @abc.abstractmethod
     def next_state(
         self,
         scale_used: Float[Array, ""],
@@ -51,7 +65,9 @@ class AbstractScalingRecipe(eqx.Module):
         amax: Float[Array, ""],
     ) -> tuple[Float[Array, ""], Float[Array, " history"]]:
         """The state after one call. It must be monotone non-decreasing in `amax` for a
-        fixed old state: several uses of a layer are merged with an elementwise max."""
+        fixed old state: several uses of a layer are merged with an elementwise max.
+        Stateful recipes."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no state.")
 
 
 class DelayedScaling(AbstractScalingRecipe):
