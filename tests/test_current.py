@@ -266,3 +266,18 @@ def test_mx_contracting_dim_not_a_multiple_of_the_block(getkey):
     qw = fp8ax.quantize(w, recipe, 0)
     assert qx.scale.shape == (5, 3) and qw.scale.shape == (3, 3)
     _close(y, np.asarray(qx.dequantize(), np.float64) @ np.asarray(qw.dequantize(), np.float64))
+
+
+@pytest.mark.parametrize("fmt,ml", [(jnp.float8_e4m3fn, ml_dtypes.float8_e4m3fn), (jnp.float8_e5m2, ml_dtypes.float8_e5m2),
+                                    (jnp.float8_e4m3fnuz, ml_dtypes.float8_e4m3fnuz)])
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+def test_current_scaling_values_are_bit_exact(fmt, ml, granularity, getkey):
+    x = jax.random.normal(getkey(), (16, 40)) * jnp.exp(jax.random.normal(getkey(), (16, 1)) * 3)
+    q = fp8ax.quantize(x, fp8ax.CurrentScaling(granularity, fwd_dtype=fmt), axis=1)
+    xn = np.asarray(x)
+    amax = np.abs(xn).max(axis=None if granularity == "tensor" else 1, keepdims=True).astype(np.float32)
+    bound = float(ml_dtypes.finfo(ml).max)
+    scale = amax * np.float32(1.0 / bound)
+    want = np.clip(xn * (np.float32(1.0) / scale), -bound, bound).astype(ml)
+    np.testing.assert_array_equal(np.asarray(q.values).view(np.uint8), want.view(np.uint8))
+    np.testing.assert_array_equal(np.broadcast_to(np.asarray(q.scale), scale.shape), scale)
