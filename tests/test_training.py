@@ -48,7 +48,9 @@ def _teacher(key):
     return lambda x: jnp.tanh(x @ w1) @ w2
 
 
-def test_haliax_mlp_fp8_matches_bf16():
+@pytest.fixture(scope="module")
+def haliax_setup():
+    """A bf16 Haliax MLP, its loss and batches, and the loss bf16 training reaches."""
     teacher = _teacher(jax.random.key(0))
 
     def batches(i):
@@ -60,10 +62,14 @@ def test_haliax_mlp_fp8_matches_bf16():
         return hax.mean(d * d).scalar()
 
     k1, k2 = jax.random.split(jax.random.key(1))
-    model = Mlp(hax.nn.Linear.init(In, Hidden, key=k1), hax.nn.Linear.init(Hidden, Out, key=k2))
-    model = fp8ax.cast_floating(model, jnp.bfloat16)
+    model = fp8ax.cast_floating(Mlp(hax.nn.Linear.init(In, Hidden, key=k1), hax.nn.Linear.init(Hidden, Out, key=k2)),
+                                jnp.bfloat16)
+    return model, loss_fn, batches, _train(model, loss_fn, batches, 300)
+
+
+def test_haliax_mlp_fp8_matches_bf16(haliax_setup):
+    model, loss_fn, batches, bf16 = haliax_setup
     start = float(loss_fn(model, *batches(0)))
-    bf16 = _train(model, loss_fn, batches, 300)
     fp8 = _train(fp8ax.fp8_linear_layers(model), loss_fn, batches, 300)
     assert bf16 < 0.2 * start  # it did learn
     assert abs(fp8 - bf16) <= 0.1 * bf16, (fp8, bf16)
@@ -103,28 +109,10 @@ RECIPES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def recipe_setup():
-    teacher = _teacher(jax.random.key(0))
-
-    def batches(i):
-        x = jax.random.normal(jax.random.key(1000 + i), (128, 32))
-        return hax.named(x.astype(jnp.bfloat16), (Batch, In)), hax.named(teacher(x).astype(jnp.bfloat16), (Batch, Out))
-
-    def loss_fn(m, x, y):
-        d = (m(x) - y).astype(jnp.float32)
-        return hax.mean(d * d).scalar()
-
-    k1, k2 = jax.random.split(jax.random.key(1))
-    model = fp8ax.cast_floating(Mlp(hax.nn.Linear.init(In, Hidden, key=k1), hax.nn.Linear.init(Hidden, Out, key=k2)),
-                                jnp.bfloat16)
-    return model, loss_fn, batches, _train(model, loss_fn, batches, 300)
-
-
 @pytest.mark.parametrize("recipe,tolerance", RECIPES, ids=lambda v: repr(v).split("(")[0] if not isinstance(
     v, float) else str(v))
-def test_each_recipe_trains_like_bf16(recipe, tolerance, recipe_setup):
-    model, loss_fn, batches, bf16 = recipe_setup
+def test_each_recipe_trains_like_bf16(recipe, tolerance, haliax_setup):
+    model, loss_fn, batches, bf16 = haliax_setup
     low = _train(fp8ax.fp8_linear_layers(model, fp8ax.Fp8Config(recipe=recipe)), loss_fn, batches, 300)
     print(f"{recipe!r}: {low:.5f} vs bf16 {bf16:.5f}")
     assert abs(low - bf16) <= tolerance * bf16, (low, bf16)
