@@ -72,10 +72,11 @@ def test_gradients_follow_the_quantised_backward_gemms(recipe, getkey):
     w = jax.random.normal(getkey(), (24, 8))
     gy = jax.random.normal(getkey(), (16, 8))
     dg = fp8ax.Fp8DotGeneral.init(recipe)
-    dx, dw = jax.grad(lambda x, w: jnp.sum(dg(x, w, DIMS) * gy), argnums=(0, 1))(x, w)
+    dx, dw = jax.jit(jax.grad(lambda x, w: jnp.sum(dg(x, w, DIMS) * gy), argnums=(0, 1)))(x, w)
 
     def deq(a, axis, grad):
-        return np.asarray(fp8ax.quantize(a, recipe, axis, grad=grad).dequantize(jnp.float32), np.float64)
+        q = jax.jit(lambda a: fp8ax.quantize(a, recipe, axis, grad=grad).dequantize(jnp.float32))(a)
+        return np.asarray(q, np.float64)
 
     want_dx = deq(gy, 1, True) @ deq(w, 1, False).T  # contracts the output features
     want_dw = deq(x, 0, False).T @ deq(gy, 0, True)  # contracts the batch
@@ -113,8 +114,12 @@ def test_per_operand_recipes_and_high_precision_gemms(getkey):
 
     def grads(**kw):
         dg = fp8ax.Fp8DotGeneral.init(fp8ax.CurrentScaling("row"), **kw)
-        y = dg(x, w, DIMS)
-        return (y, *jax.grad(lambda x, w: jnp.sum(dg(x, w, DIMS) * gy), argnums=(0, 1))(x, w))
+
+        @jax.jit
+        def run(x, w):
+            return (dg(x, w, DIMS), *jax.grad(lambda x, w: jnp.sum(dg(x, w, DIMS) * gy), argnums=(0, 1))(x, w))
+
+        return run(x, w)
 
     y, dx, dw = grads(high_precision_gemms=("drhs",))  # torchao's rowwise_with_gw_hp
     np.testing.assert_allclose(np.asarray(dw), np.asarray(x.T @ gy), rtol=1e-5, atol=1e-5)
@@ -147,7 +152,8 @@ def test_stochastic_rounding_of_gradients(getkey):
     np.testing.assert_array_equal(np.asarray(q1), np.asarray(q2))
     assert not np.array_equal(np.asarray(q1), np.asarray(q3))
     keys = jax.random.split(jax.random.key(9), 2000)
-    mean = jnp.mean(jax.vmap(lambda k: fp8ax.quantize(g, recipe, 1, grad=True, key=k).dequantize())(keys), axis=0)
+    many = jax.jit(jax.vmap(lambda k: fp8ax.quantize(g, recipe, 1, grad=True, key=k).dequantize()))
+    mean = jnp.mean(many(keys), axis=0)
     nearest = fp8ax.quantize(g, fp8ax.CurrentScaling(), 1, grad=True).dequantize()
     # The mean of 2000 roundings is much closer to g than round-to-nearest is.
     assert float(jnp.max(jnp.abs(mean - g))) < 0.2 * float(jnp.max(jnp.abs(nearest - g)))
@@ -204,19 +210,20 @@ def test_recipes_under_transforms(recipe, getkey):
     x = jax.random.normal(getkey(), (4, 16))
     w = jax.random.normal(getkey(), (16, 8))
     dg = fp8ax.Fp8DotGeneral.init(recipe)
-    y = dg(x, w, DIMS)
-    np.testing.assert_array_equal(np.asarray(jax.jit(lambda x, w: dg(x, w, DIMS))(x, w)), np.asarray(y))
+    y = dg(x, w, DIMS)  # eager, once
+    call = jax.jit(lambda x: dg(x, w, DIMS))
+    np.testing.assert_array_equal(np.asarray(call(x)), np.asarray(y))
     xs = jnp.stack([x, 2 * x, -x])
-    ys = jax.lax.scan(lambda c, xi: (c, dg(xi, w, DIMS)), 0.0, xs)[1]
-    np.testing.assert_array_equal(np.asarray(ys[1]), np.asarray(dg(2 * x, w, DIMS)))
-    yv = jax.vmap(lambda xi: dg(xi, w, DIMS))(xs)
-    np.testing.assert_array_equal(np.asarray(yv[2]), np.asarray(dg(-x, w, DIMS)))
-    g = jax.grad(lambda w: jnp.sum(jax.vmap(lambda xi: dg(xi, w, DIMS))(xs) ** 2))(w)
+    ys = jax.jit(lambda xs: jax.lax.scan(lambda c, xi: (c, dg(xi, w, DIMS)), 0.0, xs)[1])(xs)
+    np.testing.assert_array_equal(np.asarray(ys[1]), np.asarray(call(2 * x)))
+    yv = jax.jit(jax.vmap(lambda xi: dg(xi, w, DIMS)))(xs)
+    np.testing.assert_array_equal(np.asarray(yv[2]), np.asarray(call(-x)))
+    g = jax.jit(jax.grad(lambda w: jnp.sum(jax.vmap(lambda xi: dg(xi, w, DIMS))(xs) ** 2)))(w)
     assert g.shape == w.shape and bool(jnp.all(jnp.isfinite(g)))
     # A stacked Haliax model: converted, differentiated, no state.
     model = fp8ax.fp8_linear_layers(Deep.init(key=getkey()), fp8ax.Fp8Config(recipe=recipe))
     xb = hax.random.normal(getkey(), (Batch, In))
-    grads = eqx.filter_grad(lambda m: hax.mean(m(xb) ** 2).scalar())(model)
+    grads = eqx.filter_jit(eqx.filter_grad(lambda m: hax.mean(m(xb) ** 2).scalar()))(model)
     overwrite, rest = fp8ax.partition_for_grad_overwrite(grads)
     assert jax.tree.leaves(overwrite) == []
     assert rest.blocks.stacked.mlp.up_proj.weight.array.shape == model.blocks.stacked.mlp.up_proj.weight.array.shape
@@ -249,8 +256,13 @@ def test_sqnr_per_recipe(recipe, fwd_db, grad_db, getkey):
     w = jax.random.normal(getkey(), (256, 64))
     gy = jax.random.normal(getkey(), (64, 64))
     dg = fp8ax.Fp8DotGeneral.init(recipe)
-    y, vjp = jax.vjp(lambda x, w: dg(x, w, DIMS), x, w)
-    dx, dw = vjp(gy)
+
+    @jax.jit
+    def fwd_bwd(x, w, gy):
+        y, vjp = jax.vjp(lambda x, w: dg(x, w, DIMS), x, w)
+        return (y, *vjp(gy))
+
+    y, dx, dw = fwd_bwd(x, w, gy)
     got = (sqnr(x @ w, y), sqnr(gy @ w.T, dx), sqnr(x.T @ gy, dw))
     print(type(recipe).__name__, [f"{v:.1f}" for v in got])
     assert got[0] > fwd_db and min(got[1:]) > grad_db, got
@@ -261,9 +273,9 @@ def test_mx_contracting_dim_not_a_multiple_of_the_block(getkey):
     x = jax.random.normal(getkey(), (5, 70))
     w = jax.random.normal(getkey(), (70, 3))
     recipe = fp8ax.MXScaling()
-    y = fp8ax.Fp8DotGeneral.init(recipe)(x, w, DIMS)
-    qx = fp8ax.quantize(x, recipe, 1)
-    qw = fp8ax.quantize(w, recipe, 0)
+    y = jax.jit(lambda x, w: fp8ax.Fp8DotGeneral.init(recipe)(x, w, DIMS))(x, w)
+    qx = jax.jit(lambda x: fp8ax.quantize(x, recipe, 1))(x)
+    qw = jax.jit(lambda w: fp8ax.quantize(w, recipe, 0))(w)
     assert qx.scale.shape == (5, 3) and qw.scale.shape == (3, 3)
     _close(y, np.asarray(qx.dequantize(), np.float64) @ np.asarray(qw.dequantize(), np.float64))
 
