@@ -186,10 +186,7 @@ def _cast(x, scale, dtype, key):
         return _formats.quantize(x, scale, dtype)
     from ._rounding import stochastic_round
 
-    bound = _formats.fp8_max(dtype)
-    xf = jnp.asarray(x).astype(jnp.float32)
-    scaled = jnp.clip(xf * (jnp.float32(1.0) / scale), -bound, bound)
-    return stochastic_round(jnp.where(jnp.isinf(xf), xf, scaled), dtype, key)
+    return stochastic_round(_formats.scale_and_clip(x, scale, dtype), dtype, key)
 
 
 def content_key(seed: int, x) -> jax.Array:

@@ -37,11 +37,17 @@ def quantize(x: ArrayLike, scale: ArrayLike, dtype: np.dtype) -> Array:
     formats without inf), so a diverging tensor shows in the result as it would without
     FP8 instead of being clipped into a plausible number.
     """
+    return scale_and_clip(x, scale, dtype).astype(dtype)
+
+
+def scale_and_clip(x: ArrayLike, scale: ArrayLike, dtype: np.dtype) -> Array:
+    """The float32 values `quantize` rounds: `x * (1 / scale)` clipped to the format's
+    range, +-inf kept. Shared with the stochastic rounding path."""
     bound = fp8_max(dtype)
     inv = jnp.float32(1.0) / jnp.asarray(scale, jnp.float32)
     xf = jnp.asarray(x).astype(jnp.float32)
     clipped = jnp.clip(xf * inv, -bound, bound)
-    return jnp.where(jnp.isinf(xf), xf, clipped).astype(dtype)
+    return jnp.where(jnp.isinf(xf), xf, clipped)
 
 
 def dequantize(q: ArrayLike, scale: ArrayLike, dtype) -> Array:

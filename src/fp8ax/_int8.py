@@ -8,6 +8,8 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, ArrayLike
 
+from ._stateless import rescale
+
 INT8_MAX = 127
 
 # Slices whose amax is below this are treated as all-zero: 127 / amax would overflow
@@ -71,28 +73,6 @@ def int8_quantize(x: ArrayLike, contracting_axes: tuple[int, ...]) -> tuple[Arra
     return values, scale
 
 
-def _scale_layout(
-    scale: Array, operand_shape: tuple[int, ...], batch: tuple[int, ...], contract: tuple[int, ...], argname: str
-) -> tuple[Array, int]:
-    """`scale` transposed to (batch dims, free dims), contracting dims dropped; and the
-    number of free dims."""
-    if scale.ndim != len(operand_shape):
-        raise ValueError(
-            f"`{argname}` must have the operand's rank {len(operand_shape)} (keepdims), got shape {scale.shape}."
-        )
-    for d, (s, n) in enumerate(zip(scale.shape, operand_shape)):
-        if d in contract and s != 1:
-            raise ValueError(
-                f"`{argname}` must have size 1 along the contracting dimensions {contract}, got shape {scale.shape}."
-            )
-        if s not in (1, n):
-            raise ValueError(f"`{argname}` of shape {scale.shape} does not broadcast to the operand's {operand_shape}.")
-    free = tuple(d for d in range(scale.ndim) if d not in batch and d not in contract)
-    kept = batch + free
-    scale = jnp.transpose(scale, kept + contract).reshape(tuple(scale.shape[d] for d in kept))
-    return scale, len(free)
-
-
 def int8_dot_general(
     lhs_q: ArrayLike,
     lhs_scale: ArrayLike,
@@ -138,13 +118,6 @@ def int8_dot_general(
     rc = _normalise_axes(rc, rhs_q.ndim, "dimension_numbers")
     lb = _normalise_axes(lb, lhs_q.ndim, "dimension_numbers")
     rb = _normalise_axes(rb, rhs_q.ndim, "dimension_numbers")
-    acc = lax.dot_general(lhs_q, rhs_q, ((lc, rc), (lb, rb)), preferred_element_type=jnp.int32)
-
-    ls, n_lfree = _scale_layout(jnp.asarray(lhs_scale, jnp.float32), lhs_q.shape, lb, lc, "lhs_scale")
-    rs, n_rfree = _scale_layout(jnp.asarray(rhs_scale, jnp.float32), rhs_q.shape, rb, rc, "rhs_scale")
-    nb = len(lb)
-    # lhs: (batch, lhs free, 1...); rhs: (batch, 1..., rhs free). Same rank, so the
-    # product is the outer product over the free dims (size-1 dims broadcast).
-    ls = ls.reshape(ls.shape + (1,) * n_rfree)
-    rs = rs.reshape(rs.shape[:nb] + (1,) * n_lfree + rs.shape[nb:])
-    return (acc.astype(jnp.float32) * (ls * rs)).astype(out_dtype)
+    dims = ((lc, rc), (lb, rb))
+    acc = lax.dot_general(lhs_q, rhs_q, dims, preferred_element_type=jnp.int32)
+    return rescale(acc, lhs_scale, lhs_q.shape, rhs_scale, rhs_q.shape, dims).astype(out_dtype)

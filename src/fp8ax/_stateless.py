@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jaxtyping import Array
 
 from ._current import AbstractStatelessRecipe, QuantizedArray, content_key
 from ._dot_general import _reduce_to, bwd_layout, oriented_gemm
@@ -41,20 +42,50 @@ def _quantise(recipe, x, contracting, role, key=None) -> QuantizedArray | None:
     return recipe.quantize(x, tuple(contracting), dtype, key)
 
 
-def _output_scale(q: QuantizedArray, shape, contract, batch, lhs_side: bool, n_other_free: int):
-    """A factorised scale laid out as dot_general's output (batch, lhs free, rhs free)."""
-    scale = q.scale
-    if jnp.ndim(scale) == 0:
-        return scale
-    keep = tuple(1 if d in contract else shape[d] for d in range(len(shape)))
-    scale = jnp.broadcast_to(scale, keep)
-    free = tuple(d for d in range(len(shape)) if d not in contract and d not in batch)
-    scale = jnp.transpose(scale, tuple(batch) + free + tuple(contract))
-    nb = len(batch)
-    sizes = tuple(shape[d] for d in tuple(batch) + free)
-    if lhs_side:
-        return jnp.reshape(scale, sizes + (1,) * n_other_free)
-    return jnp.reshape(scale, sizes[:nb] + (1,) * n_other_free + sizes[nb:])
+def _scale_layout(
+    scale: Array, operand_shape: tuple[int, ...], batch: tuple[int, ...], contract: tuple[int, ...], argname: str
+) -> tuple[Array, int]:
+    """`scale` transposed to (batch dims, free dims), contracting dims dropped; and the
+    number of free dims."""
+    if scale.ndim != len(operand_shape):
+        raise ValueError(
+            f"`{argname}` must have the operand's rank {len(operand_shape)} (keepdims), got shape {scale.shape}."
+        )
+    for d, (s, n) in enumerate(zip(scale.shape, operand_shape)):
+        if d in contract and s != 1:
+            raise ValueError(
+                f"`{argname}` must have size 1 along the contracting dimensions {contract}, got shape {scale.shape}."
+            )
+        if s not in (1, n):
+            raise ValueError(f"`{argname}` of shape {scale.shape} does not broadcast to the operand's {operand_shape}.")
+    free = tuple(d for d in range(scale.ndim) if d not in batch and d not in contract)
+    kept = batch + free
+    scale = jnp.transpose(scale, kept + contract).reshape(tuple(scale.shape[d] for d in kept))
+    return scale, len(free)
+
+
+def rescale(acc, lhs_scale, lhs_shape, rhs_scale, rhs_shape, dims) -> Array:
+    """`float32(acc)` times the outer product of the two operands' scales, laid out as
+    dot_general's output: batch dims, then lhs free dims, then rhs free dims.
+
+    A scale is a scalar (one per tensor) or has its operand's rank with size 1 along
+    the contracting dims (one per row)."""
+    (lc, rc), (lb, rb) = dims
+
+    def layout(scale, shape, batch, contract, argname):
+        scale = jnp.asarray(scale, jnp.float32)
+        if scale.ndim == 0:
+            scale = jnp.reshape(scale, (1,) * len(shape))
+        return _scale_layout(scale, tuple(shape), tuple(batch), tuple(contract), argname)
+
+    ls, n_lfree = layout(lhs_scale, lhs_shape, lb, lc, "lhs_scale")
+    rs, n_rfree = layout(rhs_scale, rhs_shape, rb, rc, "rhs_scale")
+    nb = len(lb)
+    # lhs: (batch, lhs free, 1...); rhs: (batch, 1..., rhs free). Same rank, so the
+    # product is the outer product over the free dims (size-1 dims broadcast).
+    ls = ls.reshape(ls.shape + (1,) * n_rfree)
+    rs = rs.reshape(rs.shape[:nb] + (1,) * n_lfree + rs.shape[nb:])
+    return acc.astype(jnp.float32) * (ls * rs)
 
 
 def _low_precision_pair(qa, qb) -> str | None:
@@ -78,12 +109,7 @@ def _gemm(st: StatelessStatic, qa, a, qb, b, dims, precision, out_dtype):
         # outer product of the scales.
         acc_dtype = jnp.int32 if pair == "int32" else jnp.float32
         acc = lax.dot_general(qa.values, qb.values, dims, precision=precision, preferred_element_type=acc_dtype)
-        (ac, bc), (ab, bb) = dims
-        n_afree = a.ndim - len(ac) - len(ab)
-        n_bfree = b.ndim - len(bc) - len(bb)
-        sa = _output_scale(qa, a.shape, ac, ab, True, n_bfree)
-        sb = _output_scale(qb, b.shape, bc, bb, False, n_afree)
-        return (acc.astype(jnp.float32) * sa * sb).astype(out_dtype)
+        return rescale(acc, qa.scale, a.shape, qb.scale, b.shape, dims).astype(out_dtype)
     # Emulation: dequantise (exact in float32 for power-of-two block scales) and run a
     # float32-accumulating GEMM in the compute dtype.
     da = qa.dequantize(ref) if qa is not None else a.astype(ref)
