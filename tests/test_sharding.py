@@ -53,3 +53,12 @@ def test_every_case_ran(results):
 @pytest.mark.parametrize("case", CASES)
 def test_case(results, case):
     assert results[case]["status"] == "ok", results[case]["info"]
+
+
+def test_pmean_gradients_rejects_a_bad_axis_name():
+    # Checked before any collective, so it needs no mesh.
+    import fp8ax
+
+    for bad in (3, [], ["data", 1]):
+        with pytest.raises(TypeError, match="`axis_name` must be a mesh axis name or a non-empty sequence"):
+            fp8ax.pmean_gradients({}, bad)
