@@ -241,13 +241,35 @@ def stablehlo_total(c: collections.Counter) -> int:
 _HLO_INSTR_RE = re.compile(r"^\s*(?:ROOT\s+)?%[\w.\-]+ = ")
 
 
+# Entry instructions that launch no kernel: they name buffers or pieces of tuples.
+_NOT_KERNELS = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast"}
+
+
+def hlo_opcode(line: str) -> str:
+    """The opcode of one HLO instruction line (`%x = f32[2]{0} fusion(...)` -> `fusion`)."""
+    rhs = line.split(" = ", 1)[1].lstrip()
+    if rhs.startswith("("):  # a tuple shape: skip to its closing parenthesis
+        depth = 0
+        for i, ch in enumerate(rhs):
+            depth += ch == "("
+            depth -= ch == ")"
+            if depth == 0:
+                rhs = rhs[i + 1:]
+                break
+    else:
+        rhs = rhs.split(" ", 1)[1] if " " in rhs else rhs
+    return rhs.lstrip().split("(", 1)[0].strip()
+
+
 def count_hlo(compiled_text: str) -> dict[str, int]:
     """Instructions of the optimised (post-fusion) HLO module.
 
     `total`: in all computations (fusion bodies included); `entry`: in the ENTRY
-    computation only (roughly the kernels/thunks that run, plus parameters and tuples).
+    computation only (the kernels/thunks that run, plus parameters and tuples);
+    `kernels`: entry instructions less those that launch nothing (`parameter`,
+    `constant`, `tuple`, `get-tuple-element`, `bitcast`).
     """
-    total = entry = 0
+    total = entry = kernels = 0
     in_entry = False
     for line in compiled_text.splitlines():
         if line.startswith("ENTRY "):
@@ -258,7 +280,8 @@ def count_hlo(compiled_text: str) -> dict[str, int]:
         if _HLO_INSTR_RE.match(line):
             total += 1
             entry += in_entry
-    return {"total": total, "entry": entry}
+            kernels += in_entry and hlo_opcode(line) not in _NOT_KERNELS
+    return {"total": total, "entry": entry, "kernels": kernels}
 
 
 # --------------------------------------------------------------------------------------
@@ -383,6 +406,7 @@ def run_dtype(args, dtype_name: str, log) -> dict[str, Any]:
                     private_funcs=ops["private_funcs"],
                     hlo_instructions_total=hlo["total"],
                     hlo_instructions_entry=hlo["entry"],
+                    hlo_entry_kernels=hlo["kernels"],
                     op_counts=dict(ops["textual"].most_common()),
                     op_counts_inlined=dict(ops["inlined"].most_common()),
                 )
@@ -446,6 +470,7 @@ def run_dtype(args, dtype_name: str, log) -> dict[str, Any]:
                     info[v]["hlo_instructions_entry"] - p["hlo_instructions_entry"]
                 )
                 / n,
+                "hlo_entry_kernels_added_per_layer": (info[v]["hlo_entry_kernels"] - p["hlo_entry_kernels"]) / n,
                 "hlo_total_instructions_added_per_layer": (
                     info[v]["hlo_instructions_total"] - p["hlo_instructions_total"]
                 )
@@ -466,7 +491,8 @@ def _diff_counts(a: dict, b: dict, n: int) -> dict[str, float]:
 def print_table(results: dict, out=sys.stdout):
     hdr = (
         f"{'dtype':<9} {'variant':<7} {'step ms':>9} {'x plain':>7} {'compile s':>9} {'x plain':>7} "
-        f"{'SHLO ops':>8} {'+/layer':>8} {'inlined':>7} {'+/layer':>8} {'HLO entry':>9} {'+/layer':>8}"
+        f"{'SHLO ops':>8} {'+/layer':>8} {'inlined':>7} {'+/layer':>8} {'HLO entry':>9} {'+/layer':>8} "
+        f"{'kernels':>7} {'+/layer':>8}"
     )
     print(hdr, file=out)
     print("-" * len(hdr), file=out)
@@ -484,14 +510,16 @@ def print_table(results: dict, out=sys.stdout):
                 f"{i['lower_compile_s_median']:>9.3f} {fmt(vp, 'compile_ratio', '.2f', one):>7} "
                 f"{i['stablehlo_ops']:>8d} {fmt(vp, 'stablehlo_ops_added_per_layer', '+.1f', dash):>8} "
                 f"{i['stablehlo_ops_inlined']:>7d} {fmt(vp, 'stablehlo_ops_inlined_added_per_layer', '+.1f', dash):>8} "
-                f"{i['hlo_instructions_entry']:>9d} {fmt(vp, 'hlo_entry_instructions_added_per_layer', '+.1f', dash):>8}",
+                f"{i['hlo_instructions_entry']:>9d} {fmt(vp, 'hlo_entry_instructions_added_per_layer', '+.1f', dash):>8} "
+                f"{i['hlo_entry_kernels']:>7d} {fmt(vp, 'hlo_entry_kernels_added_per_layer', '+.1f', dash):>8}",
                 file=out,
             )
     print(
         "\ncompile s: trace+lower+XLA compile of the step (median).\n"
         "SHLO ops: `stablehlo.*` op lines in Lowered.as_text() (private funcs counted once); inlined: the same "
         "with every `call` expanded;\nHLO entry: instructions in the ENTRY computation of the optimised HLO "
-        "(~ kernels that run). +/layer: (variant - plain) / number of FP8 layers.\n",
+        "(~ kernels that run); kernels: the same less parameter/constant/tuple/get-tuple-element/bitcast.\n"
+        "+/layer: (variant - plain) / number of FP8 layers.\n",
         file=out,
     )
     for dtype_name, res in results.items():
@@ -514,6 +542,17 @@ def print_table(results: dict, out=sys.stdout):
                 f"(inlined {f['stablehlo_ops_inlined'] / h['stablehlo_ops_inlined']:.2f}x)",
                 file=out,
             )
+            fp, hp = f.get("vs_plain"), h.get("vs_plain")
+            if fp and hp:
+                print(
+                    f"{'':<9} per converted layer: kernels added "
+                    f"{fp['hlo_entry_kernels_added_per_layer']:+.1f} vs {hp['hlo_entry_kernels_added_per_layer']:+.1f} "
+                    f"({fp['hlo_entry_kernels_added_per_layer'] / hp['hlo_entry_kernels_added_per_layer']:.2f}x), "
+                    f"entry instructions {fp['hlo_entry_instructions_added_per_layer']:+.1f} vs "
+                    f"{hp['hlo_entry_instructions_added_per_layer']:+.1f}; step overhead vs plain "
+                    f"{fp['step_ratio']:.3f} vs {hp['step_ratio']:.3f}",
+                    file=out,
+                )
 
 
 def parse_args(argv=None):

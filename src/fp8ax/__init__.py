@@ -4,20 +4,21 @@ from importlib.metadata import version as _version
 
 # configuration
 from ._config import Fp8Config as Fp8Config
+from ._settings import GemmSettings as GemmSettings
 from ._recipes import AbstractScalingRecipe as AbstractScalingRecipe, DelayedScaling as DelayedScaling
 from ._current import (
     AbstractStatelessRecipe as AbstractStatelessRecipe,
     CurrentScaling as CurrentScaling,
     Int8Scaling as Int8Scaling,
     MXScaling as MXScaling,
-    QuantizedArray as QuantizedArray,
     quantize as quantize,
 )
+from ._quantized import QuantizedArray as QuantizedArray
 
 # top level UX
 from ._transform import fp8_linear_layers as fp8_linear_layers, strip_fp8 as strip_fp8
+from ._state import OverwriteWithGradient as OverwriteWithGradient
 from ._update import (
-    OverwriteWithGradient as OverwriteWithGradient,
     apply_updates as apply_updates,
     partition_for_grad_overwrite as partition_for_grad_overwrite,
 )

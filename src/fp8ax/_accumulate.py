@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from ._update import _is_owg
+from ._state import _is_owg
 
 T = TypeVar("T")
 

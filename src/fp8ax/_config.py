@@ -1,3 +1,4 @@
+import dataclasses
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -6,38 +7,26 @@ import equinox as eqx
 import numpy as np
 from jax import lax
 
-from ._dot_general import (
-    Fp8DotGeneral,
-    Mode,
-    _check_compute_dtype,
-    _check_precision,
-    _check_recipe_and_mode,
-    check_operand_recipes,
-)
-from ._recipes import AbstractScalingRecipe, DelayedScaling
+from ._dot_general import _SETTINGS_FIELDS, Fp8DotGeneral
+from ._recipes import AbstractScalingRecipe
+from ._settings import GemmSettings, Mode
 
 Targets = None | str | Sequence[str] | Callable[[str, Any], bool]
 
 
 class Fp8Config(eqx.Module):
-    """Which linear layers [`fp8ax.fp8_linear_layers`][] converts, and how.
+    """Which linear layers [`fp8ax.fp8_linear_layers`][] converts, and how: `targets` and
+    `min_features` choose the layers, `settings` (an [`fp8ax.GemmSettings`][]) says how
+    their GEMMs run, and `fp8_all_gather` asks for each layer's FSDP all-gather in FP8.
 
-    Immutable; every field is checked when the config is built.
+    Immutable; every field is checked when the config is built. The fields of `settings`
+    can be read on the config too (`config.recipe`, `config.mode`, ...).
     """
 
     targets: Targets = eqx.field(static=True)
-    recipe: AbstractScalingRecipe = eqx.field(static=True)
-    mode: Mode = eqx.field(static=True)
-    compute_dtype: Any = eqx.field(static=True)
     min_features: int = eqx.field(static=True)
-    fwd_precision: lax.Precision | None = eqx.field(static=True)
-    dlhs_precision: lax.Precision | None = eqx.field(static=True)
-    drhs_precision: lax.Precision | None = eqx.field(static=True)
     fp8_all_gather: bool = eqx.field(static=True)
-    lhs_recipe: Any = eqx.field(static=True)
-    rhs_recipe: Any = eqx.field(static=True)
-    grad_recipe: Any = eqx.field(static=True)
-    high_precision_gemms: tuple[str, ...] = eqx.field(static=True)
+    settings: GemmSettings = eqx.field(static=True)
 
     def __init__(
         self,
@@ -45,12 +34,13 @@ class Fp8Config(eqx.Module):
         recipe: AbstractScalingRecipe | None = None,
         mode: Mode = "direct",
         *,
-        compute_dtype=None,
+        settings: GemmSettings | None = None,
         min_features: int = 0,
+        fp8_all_gather: bool = False,
+        compute_dtype=None,
         fwd_precision: lax.Precision | None = None,
         dlhs_precision: lax.Precision | None = lax.Precision.DEFAULT,
         drhs_precision: lax.Precision | None = lax.Precision.DEFAULT,
-        fp8_all_gather: bool = False,
         lhs_recipe=None,
         rhs_recipe=None,
         grad_recipe=None,
@@ -68,13 +58,12 @@ class Fp8Config(eqx.Module):
             - a string: a regular expression that must `re.fullmatch` the path;
             - a callable `(path: str, layer) -> bool`.
         - `recipe`: the scaling recipe, default [`fp8ax.DelayedScaling`][]`()`.
-        - `mode`: `"direct"` or `"qdq"`, see [`fp8ax.Fp8DotGeneral.init`][].
-        - `compute_dtype`: cast both operands to this dtype before quantising (keyword only).
+        - `mode`: `"direct"` or `"qdq"`, see [`fp8ax.GemmSettings`][].
+        - `settings`: an [`fp8ax.GemmSettings`][], instead of `recipe`, `mode` and the
+          GEMM keyword arguments below (keyword only).
         - `min_features`: skip layers whose input or output size is below this (keyword
           only). Small GEMMs get slower in FP8: the casts and scaling cost more than the
           faster matmul saves.
-        - `fwd_precision`, `dlhs_precision`, `drhs_precision`: `lax.Precision` per GEMM,
-          see [`fp8ax.Fp8DotGeneral.init`][] (keyword only).
         - `fp8_all_gather`: for FSDP. Quantise each `haliax.nn.Linear` weight to FP8
           while it is still sharded, and lay the FP8 weight out as the current Haliax axis
           mapping asks (inside `haliax.named_jit(..., axis_resources=...)`), so the
@@ -82,32 +71,44 @@ class Fp8Config(eqx.Module):
           on `equinox.nn.Linear` layers, outside an axis mapping, or with stateless
           recipes (their weight is quantised per GEMM, after the gather). See the "Distributed
           training" page of the docs.
-        - `lhs_recipe`, `rhs_recipe`, `grad_recipe`, `high_precision_gemms`: per-operand
-          recipes and GEMMs kept in high precision, for stateless recipes; see
-          [`fp8ax.Fp8DotGeneral.init`][] (keyword only).
+        - `compute_dtype`, `fwd_precision`, `dlhs_precision`, `drhs_precision`,
+          `lhs_recipe`, `rhs_recipe`, `grad_recipe`, `high_precision_gemms`: fields of
+          [`fp8ax.GemmSettings`][], documented there (keyword only).
         """
         self.targets = _check_targets(targets)
-        if recipe is None:
-            recipe = DelayedScaling()
-        self.recipe = recipe
-        self.mode = mode
-        self.compute_dtype = None if compute_dtype is None else _check_compute_dtype(compute_dtype)
+        gemm_kwargs = dict(
+            compute_dtype=compute_dtype, fwd_precision=fwd_precision, dlhs_precision=dlhs_precision,
+            drhs_precision=drhs_precision, lhs_recipe=lhs_recipe, rhs_recipe=rhs_recipe, grad_recipe=grad_recipe,
+            high_precision_gemms=tuple(high_precision_gemms) if not isinstance(high_precision_gemms, str)
+            else high_precision_gemms,
+        )
+        if settings is None:
+            settings = GemmSettings(recipe, mode, **gemm_kwargs)
+        else:
+            if not isinstance(settings, GemmSettings):
+                raise TypeError(f"`settings` must be an `fp8ax.GemmSettings`, got {type(settings).__name__}.")
+            defaults = GemmSettings()
+            given = [name for name, value in gemm_kwargs.items() if value != getattr(defaults, name)]
+            given += [name for name, value in (("recipe", recipe), ("mode", mode)) if value not in (None, "direct")]
+            if given:
+                raise ValueError(f"Pass either `settings` or GEMM arguments, not both; also got {sorted(given)}.")
+        self.settings = settings
         self.min_features = min_features
-        self.fwd_precision = _check_precision(fwd_precision, "fwd_precision")
-        self.dlhs_precision = _check_precision(dlhs_precision, "dlhs_precision")
-        self.drhs_precision = _check_precision(drhs_precision, "drhs_precision")
         if not isinstance(fp8_all_gather, bool):
             raise TypeError(f"`fp8_all_gather` must be a bool, got {fp8_all_gather!r}.")
         self.fp8_all_gather = fp8_all_gather
-        (self.lhs_recipe, self.rhs_recipe, self.grad_recipe, self.high_precision_gemms) = check_operand_recipes(
-            recipe, lhs_recipe, rhs_recipe, grad_recipe, high_precision_gemms)
 
     def __check_init__(self):
-        _check_recipe_and_mode(self.recipe, self.mode)
         if isinstance(self.min_features, bool) or not isinstance(self.min_features, int | np.integer):
             raise TypeError(f"`min_features` must be an int >= 0, got {self.min_features!r}.")
         if self.min_features < 0:
             raise ValueError(f"`min_features` must be >= 0, got {self.min_features}.")
+
+    def __getattr__(self, name):
+        # The GEMM settings read through the config, under the names users know.
+        if name in _SETTINGS_FIELDS:
+            return getattr(self.settings, name)
+        raise AttributeError(f"'Fp8Config' object has no attribute {name!r}")
 
     def matches(self, path: str, layer: Any) -> bool:
         """Whether `targets` selects the layer at dotted `path` (ignores `min_features`)."""
@@ -123,25 +124,15 @@ class Fp8Config(eqx.Module):
     def make_dot_general(
         self, batch_shape: tuple[int, ...] = (), rhs_axes: tuple[str, ...] | None = None
     ) -> Fp8DotGeneral:
-        """A fresh [`fp8ax.Fp8DotGeneral`][] with this config's recipe and settings.
+        """A fresh [`fp8ax.Fp8DotGeneral`][] with this config's settings.
 
         `rhs_axes` are the Haliax axis names of the weight (without stacked axes), which
         `fp8_all_gather` needs; [`fp8ax.fp8_linear_layers`][] passes them.
         """
-        return Fp8DotGeneral.init(
-            self.recipe,
-            mode=self.mode,
-            compute_dtype=self.compute_dtype,
-            fwd_precision=self.fwd_precision,
-            dlhs_precision=self.dlhs_precision,
-            drhs_precision=self.drhs_precision,
-            batch_shape=batch_shape,
-            fp8_all_gather_axes=rhs_axes if self.fp8_all_gather else None,
-            lhs_recipe=self.lhs_recipe,
-            rhs_recipe=self.rhs_recipe,
-            grad_recipe=self.grad_recipe,
-            high_precision_gemms=self.high_precision_gemms,
-        )
+        settings = self.settings
+        if self.fp8_all_gather and rhs_axes is not None:
+            settings = dataclasses.replace(settings, fp8_all_gather_axes=tuple(rhs_axes))
+        return Fp8DotGeneral.init(settings=settings, batch_shape=batch_shape)
 
 
 def _check_targets(targets):

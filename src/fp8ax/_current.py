@@ -23,41 +23,11 @@ from jax import lax
 from jaxtyping import Array
 
 from . import _formats
-from ._recipes import AbstractScalingRecipe
-
-
-class QuantizedArray(eqx.Module):
-    """A low-precision array and its scale(s): `x ≈ values * scale`.
-
-    - `values`: the quantised values (FP8, FP6, FP4 or int8).
-    - `scale`: the dequantisation scale. float32 and broadcastable against `values` for
-      tensor-wise (shape `()`) and row-wise (size 1 along the scaled-over axes) scales;
-      `float8_e8m0fnu`, one per block of `block_size` elements along `block_axis`, for
-      MX formats.
-    - `block_axis`, `block_size`: set for MX formats only.
-
-    Build one with [`fp8ax.quantize`][]; get the high-precision array back with
-    `.dequantize(dtype)`.
-    """
-
-    values: Array
-    scale: Array
-    block_axis: int | None = eqx.field(static=True, default=None)
-    block_size: int | None = eqx.field(static=True, default=None)
-    int_exponent: int = eqx.field(static=True, default=0)  # MXINT8's implicit 2**-6
-
-    def dequantize(self, dtype=jnp.float32) -> Array:
-        """`values * scale` in `dtype` (computed in float32)."""
-        if self.block_axis is None:
-            return (self.values.astype(jnp.float32) * self.scale).astype(dtype)
-        from ._mx import mx_dequantize
-
-        return mx_dequantize(self.values, self.scale, self.block_axis, self.block_size, dtype)
-
-    @property
-    def scale_factorises(self) -> bool:
-        # The scale is constant along every axis it was computed over (no blocks).
-        return self.block_axis is None
+from ._int8 import int8_quantize
+from ._mx import MX_ELEMENT_TYPES, mx_quantize
+from ._quantized import QuantizedArray, ScaleLayout
+from ._recipes import AbstractScalingRecipe, _no_merge
+from ._rounding import stochastic_round
 
 
 Granularity = Literal["tensor", "row"]
@@ -69,13 +39,15 @@ class AbstractStatelessRecipe(AbstractScalingRecipe):
     Modules that use one carry no FP8 state. Concrete recipes are final.
     """
 
-    @property
-    def stateful(self) -> bool:
-        return False
-
     @abc.abstractmethod
     def quantize(self, x: Array, contracting_axes: tuple[int, ...], dtype, key=None) -> QuantizedArray:
         """Quantises `x`, an operand of a GEMM that contracts `contracting_axes`, to `dtype`."""
+
+    def quantize_operand(self, x, contracting_axes, dtype, *, state=None, key=None, merge=_no_merge):
+        del merge
+        if state is not None:
+            raise ValueError(f"`state` must be None: {type(self).__name__} keeps no state.")
+        return self.quantize(x, contracting_axes, dtype, key), None
 
 
 def _check_granularity(value):
@@ -88,14 +60,6 @@ def _check_bool(value, name):
     if not isinstance(value, bool):
         raise TypeError(f"`{name}` must be a bool, got {value!r}.")
     return value
-
-
-def _dtypes_from_formats(formats, fwd_dtype, grad_dtype):
-    if formats not in ("hybrid", "e4m3"):
-        raise ValueError(f"`formats` must be 'hybrid' (E4M3 forward, E5M2 gradients) or 'e4m3', got {formats!r}.")
-    fwd = jnp.float8_e4m3fn if fwd_dtype is None else fwd_dtype
-    grad = (jnp.float8_e5m2 if formats == "hybrid" else jnp.float8_e4m3fn) if grad_dtype is None else grad_dtype
-    return _formats.as_fp8_dtype(fwd, "fwd_dtype"), _formats.as_fp8_dtype(grad, "grad_dtype")
 
 
 def _amax_scale(amax, bound: float, power_of_two: bool):
@@ -152,9 +116,13 @@ class CurrentScaling(AbstractStatelessRecipe):
         """
         self.granularity = _check_granularity(granularity)
         self.power_of_two = _check_bool(power_of_two, "power_of_two")
-        self.fwd_dtype, self.grad_dtype = _dtypes_from_formats(formats, fwd_dtype, grad_dtype)
+        self.fwd_dtype, self.grad_dtype = _formats.dtypes_from_formats(formats, fwd_dtype, grad_dtype)
         self.grad_rounding = _check_rounding(grad_rounding)
         self.seed = _check_seed(seed)
+
+    @property
+    def scale_layout(self) -> ScaleLayout:
+        return self.granularity
 
     def quantize(self, x, contracting_axes, dtype, key=None) -> QuantizedArray:
         x = jnp.asarray(x)
@@ -184,8 +152,6 @@ def _cast(x, scale, dtype, key):
     """`x / scale` rounded to `dtype`: to nearest even, or stochastically with `key`."""
     if key is None:
         return _formats.quantize(x, scale, dtype)
-    from ._rounding import stochastic_round
-
     return stochastic_round(_formats.scale_and_clip(x, scale, dtype), dtype, key)
 
 
@@ -235,8 +201,6 @@ class MXScaling(AbstractStatelessRecipe):
         - `grad_element`: element type of the output gradient (default `"e5m2"`).
         - `scale_rule`: `"floor"` (the OCP spec's, default) or `"ceil"` (no saturation).
         """
-        from ._mx import MX_ELEMENT_TYPES
-
         if isinstance(block_size, bool) or not isinstance(block_size, int | np.integer) or block_size < 1:
             raise ValueError(f"`block_size` must be an int >= 1, got {block_size!r}.")
         for name, value in (("fwd_element", fwd_element), ("grad_element", grad_element)):
@@ -251,19 +215,17 @@ class MXScaling(AbstractStatelessRecipe):
 
     @property
     def fwd_dtype(self) -> np.dtype:
-        from ._mx import MX_ELEMENT_TYPES
-
         return np.dtype(MX_ELEMENT_TYPES[self.fwd_element])
 
     @property
     def grad_dtype(self) -> np.dtype:
-        from ._mx import MX_ELEMENT_TYPES
-
         return np.dtype(MX_ELEMENT_TYPES[self.grad_element])
 
-    def quantize(self, x, contracting_axes, dtype, key=None) -> QuantizedArray:
-        from ._mx import mx_quantize
+    @property
+    def scale_layout(self) -> ScaleLayout:
+        return "block"
 
+    def quantize(self, x, contracting_axes, dtype, key=None) -> QuantizedArray:
         del key  # stochastic rounding is not offered for MX formats
         x = jnp.asarray(x)
         element = self.fwd_element if np.dtype(dtype) == self.fwd_dtype else self.grad_element
@@ -305,16 +267,16 @@ class Int8Scaling(AbstractStatelessRecipe):
     def grad_dtype(self) -> np.dtype:
         return np.dtype(np.int8)
 
-    def quantize(self, x, contracting_axes, dtype, key=None) -> QuantizedArray:
-        from ._int8 import int8_quantize
+    @property
+    def scale_layout(self) -> ScaleLayout:
+        return "row"
 
+    def quantize(self, x, contracting_axes, dtype, key=None) -> QuantizedArray:
         del dtype
         x = jnp.asarray(x)
         if key is None:
             values, scale = int8_quantize(x, tuple(contracting_axes))
             return QuantizedArray(values, scale)
-        from ._rounding import stochastic_round
-
         _, scale = int8_quantize(x, tuple(contracting_axes))
         scaled = jnp.clip(x.astype(jnp.float32) * (jnp.float32(1.0) / scale), -127.0, 127.0)
         return QuantizedArray(stochastic_round(scaled, jnp.int8, key), scale)

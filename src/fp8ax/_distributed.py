@@ -5,8 +5,8 @@ import equinox as eqx
 import jax.tree_util as jtu
 from jax import lax
 
-from ._dot_general import _vma
-from ._update import _is_owg
+from ._pipeline import vma as _vma
+from ._state import _is_owg
 
 T = TypeVar("T")
 

@@ -21,6 +21,17 @@ def as_fp8_dtype(value, argname: str) -> np.dtype:
     return dtype
 
 
+def dtypes_from_formats(formats, fwd_dtype, grad_dtype) -> tuple[np.dtype, np.dtype]:
+    """The (forward, gradient) FP8 dtypes of a recipe's `formats`, `fwd_dtype` and
+    `grad_dtype` arguments: `"hybrid"` is E4M3/E5M2, `"e4m3"` E4M3 for both; an explicit
+    dtype overrides."""
+    if formats not in ("hybrid", "e4m3"):
+        raise ValueError(f"`formats` must be 'hybrid' (E4M3 forward, E5M2 gradients) or 'e4m3', got {formats!r}.")
+    fwd = jnp.float8_e4m3fn if fwd_dtype is None else fwd_dtype
+    grad = (jnp.float8_e5m2 if formats == "hybrid" else jnp.float8_e4m3fn) if grad_dtype is None else grad_dtype
+    return as_fp8_dtype(fwd, "fwd_dtype"), as_fp8_dtype(grad, "grad_dtype")
+
+
 def fp8_max(dtype: np.dtype) -> float:
     """Largest finite value of an FP8 format (448 for E4M3FN, 57344 for E5M2)."""
     return float(jnp.finfo(dtype).max)

@@ -1,38 +1,18 @@
 """AQT-style symmetric int8 quantisation and int8 x int8 -> int32 dot_general."""
 
-import operator
-from collections.abc import Sequence
-
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jaxtyping import Array, ArrayLike
 
-from ._stateless import rescale
+from ._layout import DimensionNumbers, rescale
+from ._layout import normalise_axes as _normalise_axes
 
 INT8_MAX = 127
 
 # Slices whose amax is below this are treated as all-zero: 127 / amax would overflow
 # float32 (and amax / 127 would be subnormal, which XLA may flush to zero).
 _TINY_AMAX = INT8_MAX * float(np.finfo(np.float32).tiny)
-
-DimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
-
-
-def _normalise_axes(axes, ndim: int, argname: str) -> tuple[int, ...]:
-    try:
-        axes = tuple(operator.index(a) for a in axes)
-    except TypeError:
-        raise TypeError(f"`{argname}` must be a tuple of ints, got {axes!r}.") from None
-    out = []
-    for a in axes:
-        if not -ndim <= a < ndim:
-            raise ValueError(f"`{argname}` has axis {a}, out of range for an array of rank {ndim}.")
-        out.append(a % ndim)
-    if len(set(out)) != len(out):
-        raise ValueError(f"`{argname}` has repeated axes: {axes!r}.")
-    return tuple(out)
-
 
 def int8_quantize(x: ArrayLike, contracting_axes: tuple[int, ...]) -> tuple[Array, Array]:
     """Symmetric per-slice int8 quantisation, as AQT's simplest int8 configuration.

@@ -1,33 +1,53 @@
-from typing import Literal
+# The recipe interface, and delayed scaling (the one recipe that keeps state).
+#
+# Every recipe quantises one operand of a GEMM, for a role (forward operand or output
+# gradient: the recipe's `fwd_dtype` or `grad_dtype`) and the axes that GEMM contracts,
+# into a `QuantizedArray` whose scale has a declared layout. A stateful recipe reads its
+# state and returns the new one; the GEMM pipeline (`_pipeline.py`) is the same for all.
+
+from collections.abc import Callable
+from typing import Any, Literal
 
 import equinox as eqx
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jaxtyping import Array, Float
 
-from ._formats import as_fp8_dtype
+from . import _formats
+from ._quantized import QuantizedArray, ScaleLayout
 from ._state import ScalingState
+
+# What `quantize_operand` returns besides the quantised array: the new state of the
+# operand (a `(scale, amax_history)` pair), or None for a stateless recipe.
+NewState = tuple[Array, Array] | None
 
 
 def _fwd_dtype(value):
-    return as_fp8_dtype(value, "fwd_dtype")
+    return _formats.as_fp8_dtype(value, "fwd_dtype")
 
 
 def _grad_dtype(value):
-    return as_fp8_dtype(value, "grad_dtype")
+    return _formats.as_fp8_dtype(value, "grad_dtype")
+
+
+def _no_merge(value):
+    return value
 
 
 class AbstractScalingRecipe(eqx.Module):
-    """How a low-precision dot general chooses its scales: the one interface of every
+    """How a low-precision dot general quantises its operands: the one interface of every
     fp8ax recipe.
 
     A recipe is configuration only (all of its fields are static). It names the formats
-    of the forward operands and of the output gradient (`fwd_dtype`, `grad_dtype`), and
-    keeps state only if it needs it:
+    of the forward operands and of the output gradient (`fwd_dtype`, `grad_dtype`), the
+    layout of its scales (`scale_layout`), and implements one method,
+    `quantize_operand`: quantise one GEMM operand along the axes that GEMM contracts,
+    reading the operand's state and returning the new one if the recipe keeps state.
 
-    - *stateful* recipes ([`fp8ax.DelayedScaling`][]) implement `init_state`,
-      `scale_for_call` and `next_state`: the scale comes from a state that training
-      writes back through the gradient (see [`fp8ax.apply_updates`][]);
+    - *stateful* recipes ([`fp8ax.DelayedScaling`][]) also implement `init_state`: the
+      scale comes from a state that training writes back through the gradient (see
+      [`fp8ax.apply_updates`][]);
     - *stateless* recipes ([`fp8ax.AbstractStatelessRecipe`][]: current, MX, int8)
       implement `quantize`: the scale comes from the tensor itself, and modules carry no
       state.
@@ -41,33 +61,55 @@ class AbstractScalingRecipe(eqx.Module):
     @property
     def stateful(self) -> bool:
         """Whether the recipe keeps state between steps."""
-        return True
+        return False
 
-    def init_state(self, batch_shape: tuple[int, ...] = ()) -> ScalingState:
-        """Fresh state for one operand (`batch_shape` for stacked layers). Stateful recipes."""
-        raise NotImplementedError(f"{type(self).__name__} keeps no state.")
+    @property
+    def scale_layout(self) -> ScaleLayout:
+        """The layout of the scales this recipe makes: `"tensor"`, `"row"` or `"block"`
+        (see [`fp8ax.QuantizedArray`][]). A tensor-wise scale does not depend on the
+        contracting axes, so the GEMM pipeline reuses a forward operand, quantised once,
+        in the backward GEMMs."""
+        raise NotImplementedError
 
-    def scale_for_call(
+    def init_state(self, batch_shape: tuple[int, ...] = ()) -> ScalingState | None:
+        """Fresh state for one operand (`batch_shape` for stacked layers); None for a
+        stateless recipe."""
+        del batch_shape
+        return None
+
+    def quantize_operand(
         self,
-        scale: Float[Array, ""],
-        amax_history: Float[Array, " history"],
-        amax: Float[Array, ""],
-        fp8_max: float,
-    ) -> Float[Array, ""]:
-        """The dequantisation scale one call uses, from the state before the call and the
-        call's own amax. Stateful recipes."""
-        raise NotImplementedError(f"{type(self).__name__} keeps no state.")
+        x: Array,
+        contracting_axes: tuple[int, ...],
+        dtype: np.dtype,
+        *,
+        state: tuple[Array, Array] | None = None,
+        key: Any = None,
+        merge: Callable[[Array], Array] = _no_merge,
+    ) -> tuple[QuantizedArray, NewState]:
+        """Quantises `x`, one operand of a GEMM that contracts `contracting_axes`, to
+        `dtype` (the recipe's `fwd_dtype` or `grad_dtype`).
 
-    def next_state(
-        self,
-        scale_used: Float[Array, ""],
-        amax_history: Float[Array, " history"],
-        amax: Float[Array, ""],
-    ) -> tuple[Float[Array, ""], Float[Array, " history"]]:
-        """The state after one call. It must be monotone non-decreasing in `amax` for a
-        fixed old state: several uses of a layer are merged with an elementwise max.
-        Stateful recipes."""
-        raise NotImplementedError(f"{type(self).__name__} keeps no state.")
+        **Arguments:**
+
+        - `x`: the operand.
+        - `contracting_axes`: the axes of `x` the GEMM contracts.
+        - `dtype`: the low-precision format.
+        - `state`: the operand's `(scale, amax_history)` (float32) for a stateful
+          recipe, None otherwise. (Keyword only argument.)
+        - `key`: a PRNG key for stochastic rounding, or None. (Keyword only argument.)
+        - `merge`: reduces a per-call observation (an amax) to one value for the whole
+          observation: a max over `vmap` data axes and `shard_map` shards the state does
+          not vary over. (Keyword only argument.)
+
+        **Returns:**
+
+        `(quantized, new_state)`: a [`fp8ax.QuantizedArray`][], and the operand's
+        `(scale, amax_history)` after this call (None for a stateless recipe). The new
+        state must be monotone non-decreasing in what the call observed: several uses of
+        a layer are merged with an elementwise max.
+        """
+        raise NotImplementedError
 
 
 class DelayedScaling(AbstractScalingRecipe):
@@ -131,9 +173,7 @@ class DelayedScaling(AbstractScalingRecipe):
         self.margin = margin
         self.amax_compute_algo = amax_compute_algo
         self.calibrate_first_call = calibrate_first_call
-        from ._current import _dtypes_from_formats
-
-        self.fwd_dtype, self.grad_dtype = _dtypes_from_formats(formats, fwd_dtype, grad_dtype)
+        self.fwd_dtype, self.grad_dtype = _formats.dtypes_from_formats(formats, fwd_dtype, grad_dtype)
 
     def __check_init__(self):
         if isinstance(self.history_length, bool) or not isinstance(self.history_length, int | np.integer):
@@ -151,25 +191,55 @@ class DelayedScaling(AbstractScalingRecipe):
         if not isinstance(self.calibrate_first_call, bool):
             raise TypeError(f"`calibrate_first_call` must be a bool, got {self.calibrate_first_call!r}.")
 
+    @property
+    def stateful(self) -> bool:
+        return True
+
+    @property
+    def scale_layout(self) -> ScaleLayout:
+        return "tensor"
+
     def init_state(self, batch_shape: tuple[int, ...] = ()) -> ScalingState:
         return ScalingState.init(self.history_length, batch_shape)
 
-    def scale_for_call(self, scale, amax_history, amax, fp8_max):
-        # History entries are >= 0, and all 0 until something is recorded.
-        longest = jnp.max(amax_history, axis=-1)
-        past = longest if self.amax_compute_algo == "max" else amax_history[..., 0]
-        if self.calibrate_first_call:
-            past = jnp.where(longest == 0, amax, past)
+    def _checked(self, amax, scale, fp8_max):
         # One multiply by a float32 constant, `2**margin / fp8_max` rounded once. Flax's
         # `1 / ((fp8_max / amax) / 2**margin)` is the same number mathematically, but XLA
         # simplifies it differently in different programs (inside `lax.scan` or not),
         # which would make the state depend by an ulp on how a layer was called.
-        new = past * jnp.float32(2.0**self.margin / fp8_max)
+        new = amax * jnp.float32(2.0**self.margin / fp8_max)
         # Covers a zero, NaN or inf amax, and a product that under/overflows.
         ok = jnp.isfinite(new) & (new > 0)
         return jnp.where(ok, new, scale)
 
-    def next_state(self, scale_used, amax_history, amax):
+    def _past_amax(self, amax_history, longest):
+        return longest if self.amax_compute_algo == "max" else amax_history[..., 0]
+
+    def scale_for_call(
+        self,
+        scale: Float[Array, ""],
+        amax_history: Float[Array, " history"],
+        amax: Float[Array, ""],
+        fp8_max: float,
+    ) -> Float[Array, ""]:
+        """The dequantisation scale one call uses, from the state before the call (and,
+        while the history is empty and `calibrate_first_call` is set, the call's own
+        `amax`)."""
+        # History entries are >= 0, and all 0 until something is recorded.
+        longest = jnp.max(amax_history, axis=-1)
+        past = self._past_amax(amax_history, longest)
+        if self.calibrate_first_call:
+            past = jnp.where(longest == 0, amax, past)
+        return self._checked(past, scale, fp8_max)
+
+    def next_state(
+        self,
+        scale_used: Float[Array, ""],
+        amax_history: Float[Array, " history"],
+        amax: Float[Array, ""],
+    ) -> tuple[Float[Array, ""], Float[Array, " history"]]:
+        """The state after one call that used `scale_used` and observed `amax`. Monotone
+        non-decreasing in `amax` for a fixed old state."""
         # A call that observed nothing usable (an all-zero or non-finite tensor) reports
         # scale 0: "no observation". If no use of the layer observed anything,
         # `apply_updates` keeps the old state untouched; otherwise the max-merge ignores it.
@@ -177,3 +247,33 @@ class DelayedScaling(AbstractScalingRecipe):
         recorded = jnp.where(valid, amax, jnp.float32(0.0))
         history = jnp.concatenate([recorded[..., None], amax_history[..., :-1]], axis=-1)
         return jnp.where(valid, scale_used, jnp.float32(0.0)), history
+
+    def quantize_operand(self, x, contracting_axes, dtype, *, state=None, key=None, merge=_no_merge):
+        # True delayed scaling: the values are quantised with the scale the history gives,
+        # and the tensor's amax is computed beside the cast (for the next state), not
+        # before it. Nothing in the cast waits for a reduction over the tensor, so a
+        # compiler can fuse both into one pass. The first call of a fresh layer (empty
+        # history) calibrates on its own amax instead, in the other branch of a
+        # `lax.cond` on "history empty": one runs, the other is skipped.
+        del contracting_axes, key
+        if state is None:
+            raise ValueError("`state` is required: DelayedScaling quantises with the state of the operand.")
+        scale, history = state
+        fp8_max = _formats.fp8_max(dtype)
+        longest = jnp.max(history, axis=-1)
+        delayed_scale = self._checked(self._past_amax(history, longest), scale, fp8_max)
+
+        def delayed(x):
+            return _formats.quantize(x, delayed_scale, dtype), delayed_scale, _formats.amax(x)
+
+        def calibrating(x):
+            amax = _formats.amax(x)
+            used = self._checked(merge(amax), scale, fp8_max)
+            return _formats.quantize(x, used, dtype), used, amax
+
+        if self.calibrate_first_call:
+            values, used, amax = lax.cond(longest == 0, calibrating, delayed, x)
+        else:
+            values, used, amax = delayed(x)
+        used = merge(used)
+        return QuantizedArray(values, used), self.next_state(used, history, merge(amax))

@@ -1,5 +1,7 @@
+import weakref
 from typing import Any
 
+import haliax.quantization as _haxq
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -31,11 +33,15 @@ class ScalingState:
         leaves are always float32. See the "How the FP8 state works" page of the docs.
     """
 
-    __slots__ = ("_scale", "_amax_history")
+    # `_scale`/`_amax_history`: the values, in the max-accumulating form while traced;
+    # `_views`: their float32 views (the pytree leaves), made once per value.
+    __slots__ = ("_scale", "_amax_history", "_views")
 
     def __init__(self, scale: Any, amax_history: Any):
-        object.__setattr__(self, "_scale", _enter(scale))
-        object.__setattr__(self, "_amax_history", _enter(amax_history))
+        (s, s_view), (h, h_view) = _enter(scale), _enter(amax_history)
+        object.__setattr__(self, "_scale", s)
+        object.__setattr__(self, "_amax_history", h)
+        object.__setattr__(self, "_views", [s_view, h_view])
 
     @classmethod
     def init(cls, history_length: int, batch_shape: tuple[int, ...] = ()) -> "ScalingState":
@@ -49,11 +55,17 @@ class ScalingState:
 
     @property
     def scale(self):
-        return _leave(self._scale)
+        return self._view(0, self._scale)
 
     @property
     def amax_history(self):
-        return _leave(self._amax_history)
+        return self._view(1, self._amax_history)
+
+    def _view(self, i, value):
+        view = self._views[i]
+        if view is None:
+            view = self._views[i] = _leave(value)
+        return view
 
     def __setattr__(self, name, value):
         raise AttributeError("ScalingState is immutable; build a new one instead.")
@@ -91,16 +103,47 @@ class ScalingState:
         )
 
 
+# Inside a traced function each flatten of the model reads the state as float32 leaves,
+# and each rebuild from traced leaves converts them to the max-accumulating form. Every
+# use must fan out from one max-form value (a second conversion of the same leaf would
+# sum again), and converting on every flatten costs trace and compile time. So a
+# float32 leaf that has been converted remembers the max-form value it became
+# (`_SOURCE_OF`), and rebuilding from it gives that value back; a state keeps its leaves
+# (`_views`) so flattening it again returns the same ones. A step then traces one
+# conversion per state value however often the model is flattened. The table is keyed
+# by `id` and its entries go when the leaf is garbage collected.
+_SOURCE_OF: dict[int, tuple[weakref.ref, Any]] = {}  # id(float32 leaf) -> (leaf, max value)
+
+
+def _remember(view, value) -> None:
+    key = id(view)
+    _SOURCE_OF[key] = (weakref.ref(view, lambda _: _SOURCE_OF.pop(key, None)), value)
+
+
 def _enter(x):
+    """`(value, view)`: the value to compute with and its float32 leaf (None: make one
+    when asked)."""
     # float32 tracers (the model being rebuilt inside jax.grad / jit / vmap) switch to the
     # max-accumulating representation here, once, before any use can fan them out.
     if isinstance(x, jax.core.Tracer) and x.dtype == np.float32:
-        return to_max(x)
-    return x
+        entry = _SOURCE_OF.get(id(x))
+        if entry is not None and entry[0]() is x:
+            return entry[1], x
+        value = to_max(x)
+        _remember(x, value)
+        return value, x
+    if is_max(x):
+        return x, None
+    return x, x
 
 
 def _leave(x):
-    return to_f32(x) if is_max(x) else x
+    if not is_max(x):
+        return x
+    view = to_f32(x)
+    if isinstance(view, jax.core.Tracer):
+        _remember(view, x)
+    return view
 
 
 def _short(x) -> str:
@@ -113,3 +156,17 @@ def _short(x) -> str:
     elif dtype == np.float32:
         dtype = "f32"
     return f"{dtype}{list(shape)}"
+
+
+class OverwriteWithGradient(_haxq.OverwriteWithGradient):
+    """Marker base class: the "gradient" of this module's leaves is their new value.
+
+    Subclasses `haliax.quantization.OverwriteWithGradient`, so training code written
+    against Haliax's helpers (Levanter's trainer, for one) recognises fp8ax modules too,
+    and fp8ax's helpers recognise Haliax's.
+    """
+
+
+def _is_owg(x: Any) -> bool:
+    # Haliax's base class: covers fp8ax modules and Haliax's own FP8 ops.
+    return isinstance(x, _haxq.OverwriteWithGradient)

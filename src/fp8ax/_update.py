@@ -1,25 +1,12 @@
 from typing import Any, TypeVar
 
 import equinox as eqx
-import haliax.quantization as _haxq
 import jax
 import jax.tree_util as jtu
 
+from ._state import OverwriteWithGradient, _is_owg
+
 T = TypeVar("T")
-
-
-class OverwriteWithGradient(_haxq.OverwriteWithGradient):
-    """Marker base class: the "gradient" of this module's leaves is their new value.
-
-    Subclasses `haliax.quantization.OverwriteWithGradient`, so training code written
-    against Haliax's helpers (Levanter's trainer, for one) recognises fp8ax modules too,
-    and fp8ax's helpers recognise Haliax's.
-    """
-
-
-def _is_owg(x: Any) -> bool:
-    # Haliax's base class: covers fp8ax modules and Haliax's own FP8 ops.
-    return isinstance(x, _haxq.OverwriteWithGradient)
 
 
 def partition_for_grad_overwrite(tree: T) -> tuple[T, T]:

@@ -1,0 +1,169 @@
+# Dimension bookkeeping of a dot general and its two backward GEMMs, and the rescaling of
+# a low-precision GEMM's result by its operands' scales. Numerics layer: imports nothing
+# from fp8ax.
+
+import operator
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array
+
+DimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
+
+
+def normalise_axes(axes, ndim: int, argname: str) -> tuple[int, ...]:
+    """`axes` as non-negative ints, checked against `ndim` (errors name `argname`)."""
+    try:
+        axes = tuple(operator.index(a) for a in axes)
+    except TypeError:
+        raise TypeError(f"`{argname}` must be a tuple of ints, got {axes!r}.") from None
+    out = []
+    for a in axes:
+        if not -ndim <= a < ndim:
+            raise ValueError(f"`{argname}` has axis {a}, out of range for an array of rank {ndim}.")
+        out.append(a % ndim)
+    if len(set(out)) != len(out):
+        raise ValueError(f"`{argname}` has repeated axes: {axes!r}.")
+    return tuple(out)
+
+
+def check_dimension_numbers(dimension_numbers, lhs_shape, rhs_shape):
+    """`dimension_numbers` normalised to non-negative ints; errors name the argument."""
+    try:
+        (lc, rc), (lb, rb) = dimension_numbers
+        lc, rc, lb, rb = (tuple(int(d) for d in ds) for ds in (lc, rc, lb, rb))
+    except (TypeError, ValueError):
+        raise TypeError(
+            "`dimension_numbers` must be ((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch)), "
+            f"got {dimension_numbers!r}."
+        ) from None
+    for name, ds, shape in (("lhs", lc + lb, lhs_shape), ("rhs", rc + rb, rhs_shape)):
+        bad = [d for d in ds if not -len(shape) <= d < len(shape)]
+        if bad:
+            raise ValueError(f"`dimension_numbers` names dimensions {bad} of `{name}`, which has shape {shape}.")
+    lc = tuple(d % len(lhs_shape) for d in lc)
+    rc = tuple(d % len(rhs_shape) for d in rc)
+    lb = tuple(d % len(lhs_shape) for d in lb)
+    rb = tuple(d % len(rhs_shape) for d in rb)
+    if len(lc) != len(rc) or len(lb) != len(rb):
+        raise ValueError(f"`dimension_numbers` pairs {len(lc)}/{len(lb)} lhs dims with {len(rc)}/{len(rb)} rhs dims.")
+    lsz = tuple(lhs_shape[d] for d in lc)
+    rsz = tuple(rhs_shape[d] for d in rc)
+    if lsz != rsz:
+        raise ValueError(
+            f"`lhs` and `rhs` do not contract: lhs dims {lc} have sizes {lsz} but rhs dims {rc} have sizes {rsz} "
+            f"(lhs shape {lhs_shape}, rhs shape {rhs_shape})."
+        )
+    lbs = tuple(lhs_shape[d] for d in lb)
+    rbs = tuple(rhs_shape[d] for d in rb)
+    if lbs != rbs:
+        raise ValueError(f"batch dims of `lhs` {lb} (sizes {lbs}) and `rhs` {rb} (sizes {rbs}) differ.")
+    return (lc, rc), (lb, rb)
+
+
+def free_dims(ndim, contracting, batch):
+    return tuple(d for d in range(ndim) if d not in contracting and d not in batch)
+
+
+class BwdLayout(NamedTuple):
+    """Dimension bookkeeping of the two backward GEMMs of `dot_general(lhs, rhs, dims)`."""
+
+    l_free: tuple
+    r_free: tuple
+    g_batch: tuple
+    g_lfree: tuple
+    g_rfree: tuple
+    dlhs_ab: tuple  # layout of dlhs computed as g . rhs
+    dlhs_ba: tuple  # ... as rhs . g
+    drhs_ab: tuple  # layout of drhs computed as lhs . g
+    drhs_ba: tuple  # ... as g . lhs
+
+
+def bwd_layout(dims, l_ndim, r_ndim) -> BwdLayout:
+    (lc, rc), (lb, rb) = dims
+    # dot_general's output layout: (batch..., lhs free..., rhs free...).
+    nb = len(lb)
+    l_free = free_dims(l_ndim, lc, lb)
+    r_free = free_dims(r_ndim, rc, rb)
+    g_batch = tuple(range(nb))
+    g_lfree = tuple(range(nb, nb + len(l_free)))
+    g_rfree = tuple(range(nb + len(l_free), nb + len(l_free) + len(r_free)))
+    # rhs contracting dim rc[i] stands for lhs dim lc[i] and vice versa; a GEMM's free
+    # dims come out in axis order.
+    lc_of_rc = tuple(lc[rc.index(d)] for d in sorted(rc))
+    rc_of_lc = tuple(rc[lc.index(d)] for d in sorted(lc))
+    return BwdLayout(
+        l_free, r_free, g_batch, g_lfree, g_rfree,
+        dlhs_ab=tuple(lb) + l_free + lc_of_rc, dlhs_ba=tuple(lb) + lc_of_rc + l_free,
+        drhs_ab=tuple(rb) + rc_of_lc + r_free, drhs_ba=tuple(rb) + r_free + rc_of_lc,
+    )
+
+
+def oriented_gemm(gemm, a_contract, b_contract, a_batch, b_batch, layout_ab, layout_ba):
+    """One backward GEMM, in the operand order whose result is already laid out as the
+    gradient's operand (no transpose of the result), if either order gives that.
+
+    `gemm(swapped, dims)` computes `a . b` (or `b . a` if `swapped`) with `dims`."""
+
+    def in_order(layout):
+        return list(layout) == sorted(layout)
+
+    if not in_order(layout_ab) and in_order(layout_ba):
+        out = gemm(True, ((b_contract, a_contract), (b_batch, a_batch)))
+        layout = layout_ba
+    else:
+        out = gemm(False, ((a_contract, b_contract), (a_batch, b_batch)))
+        layout = layout_ab
+    return out if in_order(layout) else jnp.transpose(out, np.argsort(layout))
+
+
+def _scale_layout(
+    scale: Array, operand_shape: tuple[int, ...], batch: tuple[int, ...], contract: tuple[int, ...], argname: str
+) -> tuple[Array, int]:
+    """`scale` transposed to (batch dims, free dims), contracting dims dropped; and the
+    number of free dims."""
+    if scale.ndim != len(operand_shape):
+        raise ValueError(
+            f"`{argname}` must have the operand's rank {len(operand_shape)} (keepdims), got shape {scale.shape}."
+        )
+    for d, (s, n) in enumerate(zip(scale.shape, operand_shape)):
+        if d in contract and s != 1:
+            raise ValueError(
+                f"`{argname}` must have size 1 along the contracting dimensions {contract}, got shape {scale.shape}."
+            )
+        if s not in (1, n):
+            raise ValueError(f"`{argname}` of shape {scale.shape} does not broadcast to the operand's {operand_shape}.")
+    free = tuple(d for d in range(scale.ndim) if d not in batch and d not in contract)
+    kept = batch + free
+    scale = jnp.transpose(scale, kept + contract).reshape(tuple(scale.shape[d] for d in kept))
+    return scale, len(free)
+
+
+def rescale(acc, lhs_scale, lhs_shape, rhs_scale, rhs_shape, dims) -> Array:
+    """`float32(acc)` times the outer product of the two operands' scales, laid out as
+    dot_general's output: batch dims, then lhs free dims, then rhs free dims.
+
+    A scale is a scalar (one per tensor) or has its operand's rank with size 1 along
+    the contracting dims (one per row). Two scalars cost one scalar multiply."""
+    acc = acc.astype(jnp.float32)
+    lhs_scale = jnp.asarray(lhs_scale, jnp.float32)
+    rhs_scale = jnp.asarray(rhs_scale, jnp.float32)
+    if lhs_scale.ndim == rhs_scale.ndim == 0:
+        return acc * (lhs_scale * rhs_scale)
+    (lc, rc), (lb, rb) = dims
+
+    def layout(scale, shape, batch, contract, argname):
+        if scale.ndim == 0:
+            scale = jnp.reshape(scale, (1,) * len(shape))
+        return _scale_layout(scale, tuple(shape), tuple(batch), tuple(contract), argname)
+
+    ls, n_lfree = layout(lhs_scale, lhs_shape, lb, lc, "lhs_scale")
+    rs, n_rfree = layout(rhs_scale, rhs_shape, rb, rc, "rhs_scale")
+    nb = len(lb)
+    # lhs: (batch, lhs free, 1...); rhs: (batch, 1..., rhs free). Same rank, so the
+    # product is the outer product over the free dims (size-1 dims broadcast).
+    ls = ls.reshape(ls.shape + (1,) * n_rfree)
+    rs = rs.reshape(rs.shape[:nb] + (1,) * n_lfree + rs.shape[nb:])
+    return acc * (ls * rs)

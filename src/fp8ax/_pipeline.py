@@ -1,0 +1,243 @@
+# The one GEMM pipeline of fp8ax: quantise, then GEMM, for every recipe.
+#
+# A call quantises each operand for its role (lhs, rhs: the recipe's forward format;
+# grad: its gradient format) along the axes its GEMM contracts, into a `QuantizedArray`,
+# and runs the GEMM on the quantised values. One custom VJP computes the forward GEMM and
+# both backward GEMMs that way. A stateful recipe (delayed scaling) reads each operand's
+# state and returns the new one; the new state leaves as the "gradient" of the state
+# (see `_maxgrad.py` for how several uses of a layer are merged). For stateless recipes
+# the state is empty and nothing else changes.
+#
+# What is reused: an operand whose scale is tensor-wise (delayed and tensor-wise current
+# scaling, round to nearest) does not depend on the axes a GEMM contracts, so it is
+# quantised once, in the forward pass, and the backward GEMMs use that FP8 copy (it is
+# also the smaller residual). Row-wise and MX scales depend on the contracting axes, so
+# each backward GEMM quantises its operands again along its own axes (as
+# TransformerEngine and torchao do), from the high-precision residual.
+
+import functools
+from typing import NamedTuple
+
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array
+
+from ._current import content_key
+from ._layout import bwd_layout, oriented_gemm, rescale
+from ._maxgrad import as_f32, merged_amax, raw_to_max
+from ._quantized import QuantizedArray
+from ._settings import GemmSettings
+
+ROLES = ("lhs", "rhs", "grad")
+
+
+class Call(NamedTuple):
+    """The static part of one call: the settings, whole, plus what the call site adds."""
+
+    settings: GemmSettings
+    dims: tuple
+    lhs_dtype: np.dtype
+    rhs_dtype: np.dtype
+    out_dtype: np.dtype
+    fwd_precision: lax.Precision | None  # the settings' own, or the caller's `precision`
+    state_is_max: tuple[bool, ...]  # which state values arrive in the max-accumulating dtype
+    lhs_vma: frozenset  # `jax.shard_map` axes the operands vary over (empty outside shard_map)
+    rhs_vma: frozenset
+
+
+def vma(x) -> frozenset:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)  # jax 0.10; older releases call it `vma`
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", None) or ())
+
+
+def reduce_to(value, target_vma: frozenset, reduce):
+    """Inside `jax.shard_map`: reduce `value` over the manual axes it varies over but
+    `target_vma` does not, so it has the type of a value that varies over those only."""
+    extra = tuple(sorted(vma(value) - target_vma))
+    return reduce(value, extra) if extra else value
+
+
+def _merge_for(scale):
+    """One observation per state: under `jax.shard_map`, a tensor that varies over a manual
+    axis its state does not vary over is one shard of a bigger tensor, so its amax is the
+    max over the shards; under `jax.vmap`, data axes are merged by `merged_amax`. (Under
+    `jax.jit` with shardings, XLA computes the global max by itself.)"""
+
+    def merge(value):
+        return merged_amax(reduce_to(value, vma(scale), lax.pmax), scale)
+
+    return merge
+
+
+def _lay_out_by_axis_mapping(q, axes: tuple[str, ...] | None):
+    """Sharding constraint on a quantised weight: the layout the current Haliax axis
+    mapping gives its named axes. The weight is quantised where it lies (sharded, for
+    FSDP), so the all-gather that XLA's SPMD partitioner inserts to reach this layout
+    moves FP8 values (without it, `"qdq"` mode gathers the dequantised weight).
+
+    The constraint is put on the FP8 bits viewed as uint8. Put on the FP8 array itself,
+    XLA:CPU widens it to float32 before partitioning and gathers 4 bytes per value."""
+    if axes is None or len(axes) != q.ndim:
+        return q
+    if hax.partitioning.current_thread_local_mapping() is None:
+        return q
+    bits = lax.bitcast_convert_type(q, jnp.uint8)
+    named = hax.NamedArray(bits, tuple(hax.Axis(name, size) for name, size in zip(axes, q.shape)))
+    return lax.bitcast_convert_type(hax.shard(named).array, q.dtype)
+
+
+def _quantise(call: Call, role: str, x, axes, state=None, key=None):
+    """Operand `role` quantised along `axes` (contracted), and its new state. `(None,
+    None)` if the settings keep that operand in high precision."""
+    recipe = call.settings.operand_recipe(role)
+    if recipe is None:
+        return None, None
+    dtype = recipe.grad_dtype if role == "grad" else recipe.fwd_dtype
+    merge = _merge_for(state[0]) if state is not None else (lambda v: v)
+    return recipe.quantize_operand(x, tuple(axes), dtype, state=state, key=key, merge=merge)
+
+
+def _reusable(call: Call, role: str, q) -> bool:
+    """Whether a forward-quantised operand serves the backward GEMM too."""
+    recipe = call.settings.operand_recipe(role)
+    return q is not None and recipe.scale_layout == "tensor"
+
+
+def _low_precision_pair(qa, qb) -> str | None:
+    """The accumulation a GEMM of the two quantised values can run with, if any."""
+    if not (qa.scale_factorises and qb.scale_factorises):
+        return None
+    da, db = np.dtype(qa.values.dtype), np.dtype(qb.values.dtype)
+    if da == db == np.dtype(np.int8):
+        return "int32"
+    if da.itemsize == db.itemsize == 1 and jnp.issubdtype(da, jnp.floating) and jnp.issubdtype(db, jnp.floating):
+        return "float32"
+    return None
+
+
+def _dequantise(q: QuantizedArray, dtype):
+    if q.layout == "tensor":
+        # XLA's pattern for an FP8 GEMM: convert to the compute dtype, multiply by the
+        # scale in that dtype, dot. `"qdq"` mode relies on XLA rewriting exactly this.
+        return q.values.astype(dtype) * q.scale.astype(dtype)
+    # Row and block scales: dequantise in float32 (exact for power-of-two MX scales).
+    return q.dequantize(dtype)
+
+
+def _gemm(call: Call, qa, a, qb, b, dims, precision, out_dtype):
+    """`a . b` from their quantised forms (`None`: use the high-precision operand)."""
+    ref = np.result_type(call.lhs_dtype, call.rhs_dtype)
+    if call.settings.mode == "direct" and qa is not None and qb is not None:
+        pair = _low_precision_pair(qa, qb)
+        if pair is not None:
+            # The kernel's computation: low-precision values, wide accumulation, then the
+            # scales (one scalar multiply for two tensor-wise scales).
+            acc_dtype = jnp.int32 if pair == "int32" else jnp.float32
+            acc = lax.dot_general(qa.values, qb.values, dims, precision=precision, preferred_element_type=acc_dtype)
+            return rescale(acc, qa.scale, qa.values.shape, qb.scale, qb.values.shape, dims).astype(out_dtype)
+    # Dequantise-then-GEMM: `"qdq"` mode, MX blocks, or an operand kept in high precision.
+    da = _dequantise(qa, ref) if qa is not None else a.astype(ref)
+    db = _dequantise(qb, ref) if qb is not None else b.astype(ref)
+    pref = jnp.float32 if ref == np.float32 else None
+    return lax.dot_general(da, db, dims, precision=precision, preferred_element_type=pref).astype(out_dtype)
+
+
+def _ndim(res) -> int:
+    return res.values.ndim if isinstance(res, QuantizedArray) else res.ndim
+
+
+def _states(call: Call, raw) -> dict:
+    if not raw:
+        return dict.fromkeys(ROLES)
+    f32 = [as_f32(v) for v in raw]
+    return {role: (f32[2 * i], f32[2 * i + 1]) for i, role in enumerate(ROLES)}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def quantized_dot(call: Call, lhs, rhs, *state) -> Array:
+    """`dot_general(lhs, rhs, call.dims)` computed on quantised operands; `state` is the
+    six raw state values `(lhs scale, lhs history, rhs ..., grad ...)` of a stateful recipe,
+    empty otherwise. The VJP returns the new state as the state's cotangent."""
+    return _fwd(call, lhs, rhs, *state)[0]
+
+
+def _fwd(call: Call, lhs, rhs, *raw):
+    st = call.settings
+    states = _states(call, raw)
+    (lc, rc), _ = call.dims
+    ql = qr = new_l = new_r = None
+    if "fwd" not in st.high_precision_gemms:
+        ql, new_l = _quantise(call, "lhs", lhs, lc, states["lhs"])
+        qr, new_r = _quantise(call, "rhs", rhs, rc, states["rhs"])
+        if qr is not None and states["rhs"] is not None and st.fp8_all_gather_axes is not None:
+            qr = QuantizedArray(_lay_out_by_axis_mapping(qr.values, st.fp8_all_gather_axes), qr.scale)
+    out = _gemm(call, ql, lhs, qr, rhs, call.dims, call.fwd_precision, call.out_dtype)
+    # Keep the quantised operand for the backward pass where it serves as it is (tensor
+    # scale, GEMM not in high precision); otherwise the operand itself.
+    res_l = ql if _reusable(call, "lhs", ql) and "drhs" not in st.high_precision_gemms else lhs
+    res_r = qr if _reusable(call, "rhs", qr) and "dlhs" not in st.high_precision_gemms else rhs
+    return out, (res_l, res_r, new_l, new_r, states["grad"])
+
+
+def _bwd(call: Call, residuals, g):
+    st = call.settings
+    res_l, res_r, new_l, new_r, g_state = residuals
+    (_, _), (lb, rb) = call.dims
+    lay = bwd_layout(call.dims, _ndim(res_l), _ndim(res_r))
+    hp = st.high_precision_gemms
+    grad_recipe = st.operand_recipe("grad")
+
+    stochastic = grad_recipe is not None and getattr(grad_recipe, "grad_rounding", "nearest") == "stochastic"
+    keys = jax.random.split(content_key(grad_recipe.seed, g)) if stochastic else (None, None)
+    # A tensor-wise, round-to-nearest gradient is quantised once for both GEMMs (and a
+    # stateful recipe observes it once).
+    shared_g, new_g = None, None
+    if grad_recipe is not None and grad_recipe.scale_layout == "tensor" and not stochastic:
+        if not ("dlhs" in hp and "drhs" in hp):
+            shared_g, new_g = _quantise(call, "grad", g, lay.g_rfree, g_state)
+
+    def operand(role, res, axes, key=None):
+        if isinstance(res, QuantizedArray):
+            return res, res.values
+        if role == "grad" and shared_g is not None:
+            return shared_g, g
+        return _quantise(call, role, res, axes, key=key)[0], res
+
+    def gemm_fn(qa, a, qb, b, precision, out_dtype):
+        def gemm(swapped, dims):
+            if swapped:
+                return _gemm(call, qb, b, qa, a, dims, precision, out_dtype)
+            return _gemm(call, qa, a, qb, b, dims, precision, out_dtype)
+
+        return gemm
+
+    # d lhs = g . rhs, contracting g's rhs-free dims with rhs's free dims.
+    if "dlhs" in hp:
+        (qg1, g1), (qr1, r1) = (None, g), (None, res_r)
+    else:
+        (qg1, g1), (qr1, r1) = operand("grad", g, lay.g_rfree, keys[0]), operand("rhs", res_r, lay.r_free)
+    dlhs = oriented_gemm(gemm_fn(qg1, g1, qr1, r1, st.dlhs_precision, call.lhs_dtype),
+                         lay.g_rfree, lay.r_free, lay.g_batch, rb, lay.dlhs_ab, lay.dlhs_ba)
+    # d rhs = lhs . g, contracting lhs's free dims with g's lhs-free dims.
+    if "drhs" in hp:
+        (ql2, l2), (qg2, g2) = (None, res_l), (None, g)
+    else:
+        (ql2, l2), (qg2, g2) = operand("lhs", res_l, lay.l_free), operand("grad", g, lay.g_lfree, keys[1])
+    drhs = oriented_gemm(gemm_fn(ql2, l2, qg2, g2, st.drhs_precision, call.rhs_dtype),
+                         lay.l_free, lay.g_lfree, lb, lay.g_batch, lay.drhs_ab, lay.drhs_ba)
+    # Inside `jax.shard_map` the cotangent of an operand that does not vary over a manual
+    # axis (a replicated weight) is summed over it, as JAX's own `dot_general` does.
+    dlhs = reduce_to(dlhs, call.lhs_vma, lax.psum)
+    drhs = reduce_to(drhs, call.rhs_vma, lax.psum)
+    if not call.state_is_max:
+        return dlhs, drhs
+    new = [v for pair in (new_l, new_r, new_g) for v in pair]
+    cts = tuple(raw_to_max(v.astype(jnp.float32)) if m else v.astype(jnp.float32) for v, m in zip(new, call.state_is_max))
+    return (dlhs, drhs, *cts)
+
+
+quantized_dot.defvjp(_fwd, _bwd)

@@ -1,0 +1,191 @@
+# The settings of one low-precision dot general, in one immutable, validated object: the
+# single static field of `Fp8DotGeneral`, passed whole into the GEMM pipeline.
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from ._current import AbstractStatelessRecipe
+from ._recipes import AbstractScalingRecipe, DelayedScaling
+
+Mode = Literal["direct", "qdq"]
+Role = Literal["lhs", "rhs", "grad"]
+MODES = ("direct", "qdq")
+GEMMS = ("fwd", "dlhs", "drhs")
+
+
+def check_precision(value, argname: str):
+    if value is None or isinstance(value, lax.Precision):
+        return value
+    if isinstance(value, str):
+        try:
+            return lax.Precision(value)
+        except ValueError:
+            pass
+    raise TypeError(f"`{argname}` must be None or a `jax.lax.Precision`, got {value!r}.")
+
+
+def check_compute_dtype(value) -> np.dtype | None:
+    if value is None:
+        return None
+    try:
+        dtype = np.dtype(value)
+    except TypeError:
+        raise TypeError(f"`compute_dtype` must be None or a floating dtype, got {value!r}.") from None
+    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize < 2:
+        raise TypeError(f"`compute_dtype` must be a floating dtype wider than 8 bits, got {dtype}.")
+    return dtype
+
+
+def _check_recipe(recipe) -> AbstractScalingRecipe:
+    if recipe is None:
+        return DelayedScaling()
+    if not isinstance(recipe, AbstractScalingRecipe):
+        raise TypeError(
+            "`recipe` must be an fp8ax recipe (`fp8ax.DelayedScaling()`, `fp8ax.CurrentScaling()`, "
+            f"`fp8ax.MXScaling()`, `fp8ax.Int8Scaling()`), got {type(recipe).__name__}."
+        )
+    return recipe
+
+
+def _check_mode(mode) -> str:
+    if mode not in MODES:
+        raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}.")
+    return mode
+
+
+def _check_override(name, value):
+    if value is not None and value != "off" and not isinstance(value, AbstractStatelessRecipe):
+        raise TypeError(
+            f"`{name}` must be None (use `recipe`), 'off' (no quantisation) or a stateless recipe "
+            f"(`fp8ax.CurrentScaling`, `fp8ax.MXScaling`, `fp8ax.Int8Scaling`), got {value!r}."
+        )
+    return value
+
+
+def _as_tuple(value):
+    if isinstance(value, str):
+        return None
+    try:
+        return tuple(value)
+    except TypeError:
+        return None
+
+
+def _check_high_precision(value) -> tuple[str, ...]:
+    names = _as_tuple(value)
+    if names is None or not all(g in GEMMS for g in names):
+        raise ValueError(f"`high_precision_gemms` must be a sequence of names from {GEMMS}, got {value!r}.")
+    return tuple(g for g in GEMMS if g in names)
+
+
+def _check_axes(value) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    names = _as_tuple(value)
+    if names is None or not all(isinstance(a, str) for a in names):
+        raise TypeError(f"`fp8_all_gather_axes` must be None or a sequence of axis names, got {value!r}.")
+    return names
+
+
+class GemmSettings(eqx.Module):
+    """Everything that decides how an [`fp8ax.Fp8DotGeneral`][] computes its three GEMMs:
+    the recipe, the mode, the compute dtype, the precision of each GEMM, per-operand
+    recipes, GEMMs kept in high precision and the FP8 all-gather layout.
+
+    Immutable and checked when built. [`fp8ax.Fp8Config`][] holds one (plus which layers
+    to convert); [`fp8ax.Fp8DotGeneral`][] holds one as its only static field. Change a
+    field with `dataclasses.replace(settings, mode="qdq")` (checked again).
+    """
+
+    recipe: AbstractScalingRecipe = eqx.field(static=True)
+    mode: Mode = eqx.field(static=True)
+    compute_dtype: np.dtype | None = eqx.field(static=True)
+    fwd_precision: lax.Precision | None = eqx.field(static=True)
+    dlhs_precision: lax.Precision | None = eqx.field(static=True)
+    drhs_precision: lax.Precision | None = eqx.field(static=True)
+    lhs_recipe: Any = eqx.field(static=True)
+    rhs_recipe: Any = eqx.field(static=True)
+    grad_recipe: Any = eqx.field(static=True)
+    high_precision_gemms: tuple[str, ...] = eqx.field(static=True)
+    fp8_all_gather_axes: tuple[str, ...] | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        recipe: AbstractScalingRecipe | None = None,
+        mode: Mode = "direct",
+        *,
+        compute_dtype=None,
+        fwd_precision: lax.Precision | None = None,
+        dlhs_precision: lax.Precision | None = lax.Precision.DEFAULT,
+        drhs_precision: lax.Precision | None = lax.Precision.DEFAULT,
+        lhs_recipe=None,
+        rhs_recipe=None,
+        grad_recipe=None,
+        high_precision_gemms: Sequence[str] = (),
+        fp8_all_gather_axes: Sequence[str] | None = None,
+    ):
+        """**Arguments:**
+
+        - `recipe`: the scaling recipe; default [`fp8ax.DelayedScaling`][]`()`.
+        - `mode`: `"direct"` (default) quantises both operands and calls
+          `lax.dot_general` on the low-precision arrays with a float32 (int32 for int8)
+          result, then multiplies by the scales. `"qdq"` quantises, dequantises back to
+          the compute dtype and calls a high-precision `dot_general`: the
+          convert-multiply-dot pattern that XLA's GPU compiler rewrites into a cuBLASLt
+          FP8 GEMM. With float32 operands both give the same result up to float32
+          rounding; with bf16 operands `"qdq"` dequantises in bf16 (as XLA's pattern
+          requires), which rounds the scales to bf16 too.
+        - `compute_dtype`: if given, both operands are cast to it first (for example
+          `jnp.bfloat16`). (Keyword only argument.)
+        - `fwd_precision`: `lax.Precision` of the forward GEMM; `None` uses the `precision`
+          passed by the caller. On GPU, `DEFAULT` lets XLA use FP8 fast accumulation and
+          `HIGHEST` turns it off. (Keyword only argument.)
+        - `dlhs_precision`, `drhs_precision`: the same for the two backward GEMMs (input
+          gradient and kernel gradient). (Keyword only arguments.)
+        - `lhs_recipe`, `rhs_recipe`, `grad_recipe`: per-operand overrides of a stateless
+          `recipe`: `None` (default) uses `recipe`, `"off"` leaves that operand in high
+          precision, a stateless recipe quantises it that way. (Keyword only arguments.)
+        - `high_precision_gemms`: GEMMs computed without quantisation, from `"fwd"`,
+          `"dlhs"` (input gradient) and `"drhs"` (weight gradient); e.g. `("drhs",)` is
+          torchao's `rowwise_with_gw_hp`. Stateless recipes only. (Keyword only argument.)
+        - `fp8_all_gather_axes`: the Haliax axis names of `rhs`, in order. If given, the
+          FP8 `rhs` is laid out by the current Haliax axis mapping right after
+          quantisation (a sharding constraint), so that an FSDP all-gather of the weight
+          moves FP8 values. `None` (default): no constraint. (Keyword only argument.)
+        """
+        self.recipe = _check_recipe(recipe)
+        self.mode = _check_mode(mode)
+        self.compute_dtype = check_compute_dtype(compute_dtype)
+        self.fwd_precision = check_precision(fwd_precision, "fwd_precision")
+        self.dlhs_precision = check_precision(dlhs_precision, "dlhs_precision")
+        self.drhs_precision = check_precision(drhs_precision, "drhs_precision")
+        self.lhs_recipe = _check_override("lhs_recipe", lhs_recipe)
+        self.rhs_recipe = _check_override("rhs_recipe", rhs_recipe)
+        self.grad_recipe = _check_override("grad_recipe", grad_recipe)
+        self.high_precision_gemms = _check_high_precision(high_precision_gemms)
+        self.fp8_all_gather_axes = _check_axes(fp8_all_gather_axes)
+        changed = any(v is not None for v in (lhs_recipe, rhs_recipe, grad_recipe)) or self.high_precision_gemms
+        if changed and self.recipe.stateful:
+            raise ValueError(
+                "Per-operand recipes and `high_precision_gemms` need a stateless `recipe` (`fp8ax.CurrentScaling`, "
+                f"`fp8ax.MXScaling`, `fp8ax.Int8Scaling`); got {type(self.recipe).__name__}, whose state covers all "
+                "three tensors."
+            )
+
+    def operand_recipe(self, role: Role) -> AbstractScalingRecipe | None:
+        """The recipe that quantises operand `role` (`"lhs"`, `"rhs"` or `"grad"`); None
+        if it stays in high precision."""
+        override = {"lhs": self.lhs_recipe, "rhs": self.rhs_recipe, "grad": self.grad_recipe}[role]
+        if override is None:
+            return self.recipe
+        return None if override == "off" else override
+
+    @property
+    def stateful(self) -> bool:
+        """Whether the modules these settings build keep FP8 state."""
+        return self.recipe.stateful

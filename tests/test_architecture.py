@@ -1,0 +1,99 @@
+"""The layout of `src/fp8ax`: imports flow one way, from the model-level functions down
+to the numerics, and there is no import cycle.
+
+Layers, bottom to top (a module may import from its own layer or lower ones only):
+
+0. numerics: formats, rounding, MX elements, int8, GEMM layout bookkeeping, the
+   max-accumulating dtype;
+1. values and state: `QuantizedArray`, `ScalingState`;
+2. recipes;
+3. the GEMM pipeline and its settings;
+4. modules: `Fp8DotGeneral`, `Fp8Config` (which builds them);
+5. model-level functions: the transform (with `Fp8Linear`), updates, accumulation,
+   distribution, casting, inspection.
+"""
+
+import ast
+import pathlib
+
+import fp8ax
+
+SRC = pathlib.Path(fp8ax.__file__).parent
+
+LAYERS = [
+    {"_formats", "_rounding", "_mx", "_int8", "_layout", "_maxgrad"},
+    {"_quantized", "_state"},
+    {"_recipes", "_current"},
+    {"_settings", "_pipeline"},
+    {"_dot_general", "_config"},
+    {"_transform", "_update", "_accumulate", "_distributed", "_cast", "_inspect", "_calibrate"},
+]
+
+
+def _imports(path: pathlib.Path) -> set[str]:
+    """fp8ax modules `path` imports, at the top or inside functions."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 1 and node.module:
+                out.add(node.module.split(".")[0])
+            elif node.level == 1:
+                out.update(alias.name for alias in node.names)
+            elif node.module and node.module.startswith("fp8ax."):
+                out.add(node.module.split(".")[1])
+        elif isinstance(node, ast.Import):
+            out.update(a.name.split(".")[1] for a in node.names if a.name.startswith("fp8ax."))
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    return {p.stem: _imports(p) for p in SRC.glob("_*.py") if p.stem != "__init__"}
+
+
+def test_every_module_has_a_layer():
+    placed = set().union(*LAYERS)
+    modules = set(_graph())
+    assert modules <= placed, f"modules without a layer: {sorted(modules - placed)}"
+
+
+def test_imports_flow_downwards():
+    layer = {m: i for i, mods in enumerate(LAYERS) for m in mods}
+    upward = [
+        f"{m} (layer {layer[m]}) imports {d} (layer {layer[d]})"
+        for m, deps in _graph().items()
+        for d in deps
+        if d in layer and layer[d] > layer[m]
+    ]
+    assert not upward, upward
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m):
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                return stack[stack.index(d):] + [d]
+            if d not in state and (found := visit(d)):
+                return found
+        state[m] = 2
+        stack.pop()
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m)):
+            return found
+    return None
+
+
+def test_no_import_cycle():
+    assert _cycle(_graph()) is None, " -> ".join(_cycle(_graph()))
+
+
+def test_cycle_finder_finds_a_cycle():
+    # The check above must be able to fail.
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None

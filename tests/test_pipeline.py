@@ -1,0 +1,209 @@
+"""The quantise-then-GEMM pipeline: true delayed scaling in the traced step, and the one
+settings object."""
+
+import dataclasses
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.extend import core as jex_core
+
+import fp8ax
+
+# `lax.cond(history_empty, calibrating, delayed, x)`: branch 0 is the false one.
+DELAYED, CALIBRATING = 0, 1
+FP8 = {np.dtype(t) for t in (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz)}
+
+
+class _Walk:
+    """Evaluates a jaxpr equation by equation (so each `cond` takes the branch the data
+    picks) and follows data flow: which values depend on a `reduce_max` of an `abs`, i.e.
+    on some tensor's amax. Records, for every conversion to an FP8 dtype, whether its
+    input depends on an amax."""
+
+    def __init__(self):
+        self.converts: list[bool] = []  # one per FP8 convert: depends on an amax?
+        self.branches: list[int] = []  # the branch every executed `cond` took
+        self.amaxes = 0
+
+    def run(self, jaxpr, consts, args, deps, absv):
+        env = {}
+
+        def read(v):
+            if isinstance(v, jex_core.Literal):
+                return v.val, False, False
+            return env[v]
+
+        for v, c in zip(jaxpr.constvars, consts):
+            env[v] = (c, False, False)
+        for v, a, d, b in zip(jaxpr.invars, args, deps, absv):
+            env[v] = (a, d, b)
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            vals = [i[0] for i in ins]
+            deps_in = [i[1] for i in ins]
+            abs_in = [i[2] for i in ins]
+            name = eqn.primitive.name
+            sub = next((eqn.params[k] for k in ("jaxpr", "call_jaxpr", "call") if k in eqn.params), None)
+            if name == "cond":
+                index = int(vals[0])
+                self.branches.append(index)
+                branch = eqn.params["branches"][index]
+                outs = self.run(branch.jaxpr, branch.consts, vals[1:], deps_in[1:], abs_in[1:])
+            elif isinstance(sub, jex_core.ClosedJaxpr):
+                outs = self.run(sub.jaxpr, sub.consts, vals, deps_in, abs_in)
+            else:
+                assert name not in ("scan", "while"), "not needed by these tests; would need a loop rule"
+                res = eqn.primitive.bind(*vals, **eqn.params)
+                res = res if eqn.primitive.multiple_results else [res]
+                dep = any(deps_in)
+                if name == "reduce_max" and abs_in[0]:
+                    dep = True
+                    self.amaxes += 1
+                if name == "convert_element_type" and np.dtype(eqn.params["new_dtype"]) in FP8:
+                    self.converts.append(dep)
+                is_abs = name == "abs" or (name == "convert_element_type" and abs_in[0])
+                outs = [(r, dep, is_abs) for r in res]
+            for v, o in zip(eqn.outvars, outs):
+                env[v] = o
+        return [read(v) for v in jaxpr.outvars]
+
+
+def _train_step(model, x):
+    def loss(m):
+        return jnp.mean(jax.vmap(m)(x) ** 2)
+
+    grads = eqx.filter_grad(loss)(model)
+    overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)
+    updates = jax.tree.map(lambda g: -0.01 * g, grads)
+    return fp8ax.apply_updates(model, updates, overwrite)
+
+
+def _walk_step(model, x) -> _Walk:
+    params, static = eqx.partition(model, eqx.is_array)
+
+    def step(p, x):
+        return eqx.filter(_train_step(eqx.combine(p, static), x), eqx.is_array)
+
+    closed = jax.make_jaxpr(step)(params, x)
+    leaves = jax.tree.leaves((params, x))
+    walk = _Walk()
+    walk.run(closed.jaxpr, closed.consts, leaves, [False] * len(leaves), [False] * len(leaves))
+    return walk
+
+
+def _model(getkey, recipe=None):
+    mlp = eqx.nn.MLP(8, 4, 16, 2, key=getkey())  # three linear layers
+    return fp8ax.fp8_linear_layers(mlp, fp8ax.Fp8Config(recipe=recipe))
+
+
+def test_delayed_scaling_casts_do_not_wait_for_their_amax(getkey):
+    """With filled histories, no FP8 cast in the step depends on any tensor's amax: each
+    tensor is quantised with the scale its state gives, and its amax (for the next state)
+    is computed beside the cast."""
+    model = _model(getkey)
+    x = jax.random.normal(getkey(), (32, 8))
+    model = eqx.filter_jit(_train_step)(model, x)  # the first step fills the histories
+    walk = _walk_step(model, x)
+    # 3 layers x (input, kernel, output gradient), each quantised once.
+    assert len(walk.converts) == 9
+    assert walk.amaxes >= 9  # every tensor's amax is still computed, for the state
+    assert walk.branches == [DELAYED] * 9  # the delayed branch every time: nothing calibrates
+    assert not any(walk.converts)
+
+
+def test_first_step_calibrates_on_its_own_amax(getkey):
+    # The same walk finds the dependence where it exists: a fresh model's first step
+    # calibrates each scale on the tensor's own amax (the default, calibrate_first_call).
+    model = _model(getkey)
+    x = jax.random.normal(getkey(), (32, 8))
+    walk = _walk_step(model, x)
+    assert walk.branches == [CALIBRATING] * 9
+    assert len(walk.converts) == 9 and all(walk.converts)
+
+
+def test_current_scaling_casts_depend_on_their_amax(getkey):
+    model = _model(getkey, fp8ax.CurrentScaling())
+    walk = _walk_step(model, jax.random.normal(getkey(), (32, 8)))
+    assert walk.converts and all(walk.converts)
+
+
+def test_no_calibration_means_no_branch(getkey):
+    model = _model(getkey, fp8ax.DelayedScaling(calibrate_first_call=False))
+    walk = _walk_step(model, jax.random.normal(getkey(), (32, 8)))
+    assert walk.branches == []
+    assert len(walk.converts) == 9 and not any(walk.converts)
+
+
+# --------------------------------------------------------------------------------------
+# One settings object
+
+
+def test_settings_is_the_one_static_field(getkey):
+    settings = fp8ax.GemmSettings(fp8ax.CurrentScaling("row"), "qdq", high_precision_gemms=("drhs",))
+    dg = fp8ax.Fp8DotGeneral.init(settings=settings)
+    static = [f.name for f in dataclasses.fields(dg) if f.metadata.get("static")]
+    assert static == ["settings"]
+    assert dg.settings is settings
+    # Read through the module and the config under the old names.
+    assert (dg.recipe, dg.mode, dg.high_precision_gemms) == (settings.recipe, "qdq", ("drhs",))
+    config = fp8ax.Fp8Config(targets=["x"], settings=settings, min_features=4)
+    assert (config.recipe, config.mode, config.min_features) == (settings.recipe, "qdq", 4)
+    # The keyword arguments build the same settings.
+    same = fp8ax.Fp8Config(targets=["x"], recipe=fp8ax.CurrentScaling("row"), mode="qdq",
+                           high_precision_gemms=("drhs",), min_features=4)
+    assert same == config
+    # dataclasses.replace re-checks.
+    assert dataclasses.replace(settings, mode="direct").mode == "direct"
+    with pytest.raises(ValueError, match="`mode` must be one of"):
+        dataclasses.replace(settings, mode="fast")
+    with pytest.raises(AttributeError):
+        settings.mode = "direct"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "kwargs, exc, match",
+    [
+        (dict(recipe="delayed"), TypeError, "`recipe` must be an fp8ax recipe"),
+        (dict(mode="fp8"), ValueError, "`mode` must be one of"),
+        (dict(compute_dtype=jnp.int8), TypeError, "`compute_dtype` must be a floating dtype"),
+        (dict(fwd_precision="fast"), TypeError, "`fwd_precision` must be None or a `jax.lax.Precision`"),
+        (dict(grad_recipe=fp8ax.DelayedScaling()), TypeError, "`grad_recipe` must be None"),
+        (dict(high_precision_gemms="drhs"), ValueError, "`high_precision_gemms` must be a sequence"),
+        (dict(high_precision_gemms=("bwd",)), ValueError, "`high_precision_gemms` must be a sequence"),
+        (dict(fp8_all_gather_axes="In"), TypeError, "`fp8_all_gather_axes` must be None or a sequence"),
+        (dict(lhs_recipe="off"), ValueError, "need a stateless `recipe`"),
+    ],
+)
+def test_settings_validation(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        fp8ax.GemmSettings(**kwargs)
+
+
+def test_settings_and_gemm_arguments_are_exclusive():
+    settings = fp8ax.GemmSettings()
+    with pytest.raises(ValueError, match=r"either `settings` or GEMM arguments.*\['mode'\]"):
+        fp8ax.Fp8Config(settings=settings, mode="qdq")
+    with pytest.raises(TypeError, match="`settings` must be an `fp8ax.GemmSettings`, got dict"):
+        fp8ax.Fp8Config(settings={})
+    with pytest.raises(TypeError, match="`settings` must be an `fp8ax.GemmSettings`, got str"):
+        fp8ax.Fp8DotGeneral.init(settings="direct")
+    with pytest.raises(ValueError, match="not both"):
+        fp8ax.Fp8DotGeneral.init(fp8ax.DelayedScaling(), settings=settings)
+
+
+@pytest.mark.parametrize(
+    "recipe",
+    [fp8ax.DelayedScaling(), fp8ax.CurrentScaling(), fp8ax.CurrentScaling("row"), fp8ax.MXScaling(block_size=4),
+     fp8ax.Int8Scaling()],
+    ids=["delayed", "tensor", "row", "mx", "int8"],
+)
+def test_every_recipe_declares_its_scale_layout(recipe, getkey):
+    x = jax.random.normal(getkey(), (6, 8))
+    state = recipe.init_state()
+    raw = None if state is None else (state.scale, state.amax_history)
+    q, new = recipe.quantize_operand(x, (1,), recipe.fwd_dtype, state=raw)
+    assert q.layout == recipe.scale_layout
+    assert (new is None) == (not recipe.stateful)
