@@ -6,92 +6,11 @@ import dataclasses
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.extend import core as jex_core
 
 import fp8ax
-
-# `lax.cond(history_empty, calibrating, delayed, x)`: branch 0 is the false one.
-DELAYED, CALIBRATING = 0, 1
-FP8 = {np.dtype(t) for t in (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz)}
-
-
-class _Walk:
-    """Evaluates a jaxpr equation by equation (so each `cond` takes the branch the data
-    picks) and follows data flow: which values depend on a `reduce_max` of an `abs`, i.e.
-    on some tensor's amax. Records, for every conversion to an FP8 dtype, whether its
-    input depends on an amax."""
-
-    def __init__(self):
-        self.converts: list[bool] = []  # one per FP8 convert: depends on an amax?
-        self.branches: list[int] = []  # the branch every executed `cond` took
-        self.amaxes = 0
-
-    def run(self, jaxpr, consts, args, deps, absv):
-        env = {}
-
-        def read(v):
-            if isinstance(v, jex_core.Literal):
-                return v.val, False, False
-            return env[v]
-
-        for v, c in zip(jaxpr.constvars, consts):
-            env[v] = (c, False, False)
-        for v, a, d, b in zip(jaxpr.invars, args, deps, absv):
-            env[v] = (a, d, b)
-        for eqn in jaxpr.eqns:
-            ins = [read(v) for v in eqn.invars]
-            vals = [i[0] for i in ins]
-            deps_in = [i[1] for i in ins]
-            abs_in = [i[2] for i in ins]
-            name = eqn.primitive.name
-            sub = next((eqn.params[k] for k in ("jaxpr", "call_jaxpr", "call") if k in eqn.params), None)
-            if name == "cond":
-                index = int(vals[0])
-                self.branches.append(index)
-                branch = eqn.params["branches"][index]
-                outs = self.run(branch.jaxpr, branch.consts, vals[1:], deps_in[1:], abs_in[1:])
-            elif isinstance(sub, jex_core.ClosedJaxpr):
-                outs = self.run(sub.jaxpr, sub.consts, vals, deps_in, abs_in)
-            else:
-                assert name not in ("scan", "while"), "not needed by these tests; would need a loop rule"
-                res = eqn.primitive.bind(*vals, **eqn.params)
-                res = res if eqn.primitive.multiple_results else [res]
-                dep = any(deps_in)
-                if name == "reduce_max" and abs_in[0]:
-                    dep = True
-                    self.amaxes += 1
-                if name == "convert_element_type" and np.dtype(eqn.params["new_dtype"]) in FP8:
-                    self.converts.append(dep)
-                is_abs = name == "abs" or (name == "convert_element_type" and abs_in[0])
-                outs = [(r, dep, is_abs) for r in res]
-            for v, o in zip(eqn.outvars, outs):
-                env[v] = o
-        return [read(v) for v in jaxpr.outvars]
-
-
-def _train_step(model, x):
-    def loss(m):
-        return jnp.mean(jax.vmap(m)(x) ** 2)
-
-    grads = eqx.filter_grad(loss)(model)
-    overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)
-    updates = jax.tree.map(lambda g: -0.01 * g, grads)
-    return fp8ax.apply_updates(model, updates, overwrite)
-
-
-def _walk_step(model, x) -> _Walk:
-    params, static = eqx.partition(model, eqx.is_array)
-
-    def step(p, x):
-        return eqx.filter(_train_step(eqx.combine(p, static), x), eqx.is_array)
-
-    closed = jax.make_jaxpr(step)(params, x)
-    leaves = jax.tree.leaves((params, x))
-    walk = _Walk()
-    walk.run(closed.jaxpr, closed.consts, leaves, [False] * len(leaves), [False] * len(leaves))
-    return walk
+from helpers import CALIBRATING, DELAYED, train_step
+from helpers import walk_train_step as _walk_step
 
 
 def _model(getkey, recipe=None):
@@ -105,7 +24,7 @@ def test_delayed_scaling_casts_do_not_wait_for_their_amax(getkey):
     is computed beside the cast."""
     model = _model(getkey)
     x = jax.random.normal(getkey(), (32, 8))
-    model = eqx.filter_jit(_train_step)(model, x)  # the first step fills the histories
+    model = eqx.filter_jit(train_step)(model, x)  # the first step fills the histories
     walk = _walk_step(model, x)
     # 3 layers x (input, kernel, output gradient), each quantised once.
     assert len(walk.converts) == 9

@@ -25,6 +25,7 @@ from ._update import (
 from ._accumulate import accumulate_gradients as accumulate_gradients, microbatched as microbatched
 from ._distributed import pmean_gradients as pmean_gradients
 from ._cast import cast_floating as cast_floating
+from ._calibrate import calibrate as calibrate
 from ._inspect import GemmReport as GemmReport, gemm_report as gemm_report
 
 # modules and state

@@ -29,7 +29,6 @@ from ._quantized import QuantizedArray, ScaleLayout
 from ._recipes import AbstractScalingRecipe, _no_merge
 from ._rounding import stochastic_round
 
-
 Granularity = Literal["tensor", "row"]
 
 

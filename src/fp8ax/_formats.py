@@ -1,5 +1,6 @@
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jaxtyping import Array, ArrayLike
 
 # The 8-bit floating-point formats fp8ax quantises to.
@@ -57,8 +58,20 @@ def scale_and_clip(x: ArrayLike, scale: ArrayLike, dtype: np.dtype) -> Array:
     bound = fp8_max(dtype)
     inv = jnp.float32(1.0) / jnp.asarray(scale, jnp.float32)
     xf = jnp.asarray(x).astype(jnp.float32)
-    clipped = jnp.clip(xf * inv, -bound, bound)
-    return jnp.where(jnp.isinf(xf), xf, clipped)
+    clipped = lax.clamp(jnp.float32(-bound), xf * inv, jnp.float32(bound))
+    # `x == ±inf`, not `|x| == inf`: an `abs` shared with the amax reduction over the same
+    # tensor would have to be materialised instead of fused into both.
+    inf = jnp.float32(jnp.inf)
+    return select((xf == inf) | (xf == -inf), xf, clipped)
+
+
+def select(pred: ArrayLike, on_true: ArrayLike, on_false: ArrayLike) -> Array:
+    """`jnp.where(pred, on_true, on_false)` for arrays of one dtype, as a bare
+    `lax.select`: `jnp.where` traces a nested jitted function at every call, which the
+    per-operand scaling code would pay for many times per step in trace and compile
+    time."""
+    pred, on_true, on_false = jnp.broadcast_arrays(pred, on_true, on_false)
+    return lax.select(pred, on_true, on_false.astype(on_true.dtype))
 
 
 def dequantize(q: ArrayLike, scale: ArrayLike, dtype) -> Array:

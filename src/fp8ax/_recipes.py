@@ -209,8 +209,8 @@ class DelayedScaling(AbstractScalingRecipe):
         # which would make the state depend by an ulp on how a layer was called.
         new = amax * jnp.float32(2.0**self.margin / fp8_max)
         # Covers a zero, NaN or inf amax, and a product that under/overflows.
-        ok = jnp.isfinite(new) & (new > 0)
-        return jnp.where(ok, new, scale)
+        ok = lax.is_finite(new) & (new > 0)
+        return _formats.select(ok, new, scale)
 
     def _past_amax(self, amax_history, longest):
         return longest if self.amax_compute_algo == "max" else amax_history[..., 0]
@@ -229,7 +229,7 @@ class DelayedScaling(AbstractScalingRecipe):
         longest = jnp.max(amax_history, axis=-1)
         past = self._past_amax(amax_history, longest)
         if self.calibrate_first_call:
-            past = jnp.where(longest == 0, amax, past)
+            past = _formats.select(longest == 0, amax, past)
         return self._checked(past, scale, fp8_max)
 
     def next_state(
@@ -243,37 +243,35 @@ class DelayedScaling(AbstractScalingRecipe):
         # A call that observed nothing usable (an all-zero or non-finite tensor) reports
         # scale 0: "no observation". If no use of the layer observed anything,
         # `apply_updates` keeps the old state untouched; otherwise the max-merge ignores it.
-        valid = jnp.isfinite(amax) & (amax > 0)
-        recorded = jnp.where(valid, amax, jnp.float32(0.0))
+        valid = lax.is_finite(amax) & (amax > 0)
+        zero = jnp.zeros_like(amax)
+        recorded = _formats.select(valid, amax, zero)
         history = jnp.concatenate([recorded[..., None], amax_history[..., :-1]], axis=-1)
-        return jnp.where(valid, scale_used, jnp.float32(0.0)), history
+        return _formats.select(valid, scale_used, zero), history
 
     def quantize_operand(self, x, contracting_axes, dtype, *, state=None, key=None, merge=_no_merge):
         # True delayed scaling: the values are quantised with the scale the history gives,
-        # and the tensor's amax is computed beside the cast (for the next state), not
-        # before it. Nothing in the cast waits for a reduction over the tensor, so a
+        # and the tensor's amax (for the next state) is computed beside the cast, not
+        # before it: nothing in the cast waits for a reduction over the tensor, so a
         # compiler can fuse both into one pass. The first call of a fresh layer (empty
-        # history) calibrates on its own amax instead, in the other branch of a
-        # `lax.cond` on "history empty": one runs, the other is skipped.
+        # history) calibrates its scale on its own amax instead, in the other branch of a
+        # `lax.cond` on "history empty". The branch gets the tensor, not its amax, so the
+        # cast depends on the tensor's values only through the branch that runs once.
         del contracting_axes, key
         if state is None:
             raise ValueError("`state` is required: DelayedScaling quantises with the state of the operand.")
         scale, history = state
         fp8_max = _formats.fp8_max(dtype)
         longest = jnp.max(history, axis=-1)
-        delayed_scale = self._checked(self._past_amax(history, longest), scale, fp8_max)
-
-        def delayed(x):
-            return _formats.quantize(x, delayed_scale, dtype), delayed_scale, _formats.amax(x)
-
-        def calibrating(x):
-            amax = _formats.amax(x)
-            used = self._checked(merge(amax), scale, fp8_max)
-            return _formats.quantize(x, used, dtype), used, amax
-
+        used = self._checked(self._past_amax(history, longest), scale, fp8_max)
         if self.calibrate_first_call:
-            values, used, amax = lax.cond(longest == 0, calibrating, delayed, x)
-        else:
-            values, used, amax = delayed(x)
+            used = lax.cond(
+                longest == 0,
+                lambda x, _: self._checked(merge(_formats.amax(x)), scale, fp8_max),
+                lambda _, delayed: delayed,
+                x,
+                used,
+            )
         used = merge(used)
-        return QuantizedArray(values, used), self.next_state(used, history, merge(amax))
+        values = _formats.quantize(x, used, dtype)
+        return QuantizedArray(values, used), self.next_state(used, history, merge(_formats.amax(x)))

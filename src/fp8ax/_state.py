@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
+from ._formats import select
 from ._maxgrad import as_f32, is_max, to_f32, to_max
 
 
@@ -98,8 +99,8 @@ class ScalingState:
         new_scale, new_hist = as_f32(new._scale), as_f32(new._amax_history)
         used = new_scale > 0
         return ScalingState(
-            jnp.where(used, new_scale, old_scale),
-            jnp.where(used[..., None], new_hist, old_hist),
+            select(used, new_scale, old_scale),
+            select(used[..., None], new_hist, old_hist),
         )
 
 

@@ -1,10 +1,10 @@
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
-from ._state import OverwriteWithGradient, _is_owg
+from ._state import _is_owg
 
 T = TypeVar("T")
 

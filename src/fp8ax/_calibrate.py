@@ -1,0 +1,99 @@
+import dataclasses
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import equinox as eqx
+import jax.tree_util as jtu
+import numpy as np
+
+from ._dot_general import Fp8DotGeneral
+from ._recipes import DelayedScaling
+from ._update import apply_updates, partition_for_grad_overwrite
+
+T = TypeVar("T")
+
+
+def _is_dg(x: Any) -> bool:
+    return isinstance(x, Fp8DotGeneral)
+
+
+def _filled(dg: Fp8DotGeneral) -> bool:
+    return all(bool(np.all(np.max(np.asarray(s.amax_history), axis=-1) > 0)) for s in (dg.lhs, dg.rhs, dg.grad))
+
+
+def _without_first_call_calibration(dg: Fp8DotGeneral) -> Fp8DotGeneral:
+    recipe = dataclasses.replace(dg.recipe, calibrate_first_call=False)
+    return dataclasses.replace(dg, settings=dataclasses.replace(dg.settings, recipe=recipe))
+
+
+def calibrate(model: T, loss_fn: Callable[..., Any], batches: Iterable[Any], *, keep_first_call: bool = False) -> T:
+    """Fills the delayed-scaling histories of a converted model from a few batches,
+    without changing any weight.
+
+    For each batch it runs `eqx.filter_grad(loss_fn)(model, *batch)` under
+    `eqx.filter_jit` and writes the new FP8 state only (as
+    [`fp8ax.apply_updates`][]`(model, None, overwrite)`); the parameter gradients are
+    discarded. Every layer whose three histories are then filled is switched to
+    `DelayedScaling(calibrate_first_call=False)`, so a training step compiled afterwards
+    contains no conditional for the first-call calibration: each tensor is cast with the
+    scale its history gives (see the "How it works" page). Layers the batches did not
+    reach keep their settings.
+
+    Call it *before* building the optimiser state (`opt.init(...)`): the switch changes
+    the layers' static settings, which are part of the model's tree structure.
+
+    **Arguments:**
+
+    - `model`: a model converted by [`fp8ax.fp8_linear_layers`][].
+    - `loss_fn`: `loss_fn(model, *batch) -> scalar`, e.g. the training loss. Only its
+      gradient's FP8 part is used (the output-gradient histories record its gradients).
+    - `batches`: an iterable of batches; each is a tuple of arguments for `loss_fn`
+      after the model, or one argument.
+    - `keep_first_call`: keep `calibrate_first_call` as it is (only fill the
+      histories). (Keyword only argument.)
+
+    **Returns:**
+
+    The model with filled FP8 state; every weight is the same array as before.
+
+    **Raises:**
+
+    `ValueError` if `batches` is empty or `model` has no FP8 layer with state.
+
+    !!! Example
+
+        ```python
+        model = fp8ax.fp8_linear_layers(model)
+        model = fp8ax.calibrate(model, loss_fn, [(x1, y1), (x2, y2)])
+        opt_state = opt.init(eqx.filter(fp8ax.partition_for_grad_overwrite(model)[1], eqx.is_inexact_array))
+        ```
+    """
+    if not callable(loss_fn):
+        raise TypeError(f"`loss_fn` must be a callable `loss_fn(model, *batch) -> scalar`, got {type(loss_fn).__name__}.")
+    if not isinstance(keep_first_call, bool):
+        raise TypeError(f"`keep_first_call` must be a bool, got {keep_first_call!r}.")
+    stateful = [dg for dg in jtu.tree_leaves(model, is_leaf=_is_dg) if _is_dg(dg) and dg.lhs is not None]
+    if not stateful:
+        raise ValueError(
+            "`model` has no FP8 layer with state to calibrate: convert it with `fp8ax.fp8_linear_layers` and a "
+            "stateful recipe (`fp8ax.DelayedScaling`, the default) first."
+        )
+
+    grad_fn = eqx.filter_jit(eqx.filter_grad(loss_fn))
+    n = 0
+    for batch in batches:
+        grads = grad_fn(model, *(batch if isinstance(batch, tuple) else (batch,)))
+        overwrite, _ = partition_for_grad_overwrite(grads)
+        model = apply_updates(model, None, overwrite)  # eager: the weights stay the same arrays
+        n += 1
+    if n == 0:
+        raise ValueError("`batches` is empty: give at least one batch to calibrate on.")
+    if keep_first_call:
+        return model
+
+    def switch(x):
+        if _is_dg(x) and isinstance(x.recipe, DelayedScaling) and x.recipe.calibrate_first_call and _filled(x):
+            return _without_first_call_calibration(x)
+        return x
+
+    return jtu.tree_map(switch, model, is_leaf=_is_dg)
