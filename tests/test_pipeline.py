@@ -2,6 +2,8 @@
 settings object."""
 
 import dataclasses
+import subprocess
+import sys
 
 import equinox as eqx
 import jax
@@ -126,3 +128,19 @@ def test_every_recipe_declares_its_scale_layout(recipe, getkey):
     q, new = recipe.quantize_operand(x, (1,), recipe.fwd_dtype, state=raw)
     assert q.layout == recipe.scale_layout
     assert (new is None) == (not recipe.stateful)
+
+
+def test_tracing_leaves_nothing_behind_at_exit():
+    # The table that maps state leaves to their max-accumulating values empties through
+    # weak-reference callbacks; at interpreter exit they must not fail (they once printed
+    # "Exception ignored ..." for every entry).
+    code = (
+        "import equinox as eqx, jax, jax.numpy as jnp, fp8ax\n"
+        "m = fp8ax.fp8_linear_layers(eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0)))\n"
+        "g = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.sum(m(jnp.ones(4)))))(m)\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "ok\n"
+    assert "Exception ignored" not in out.stderr, out.stderr

@@ -176,18 +176,15 @@ class Fp8DotGeneral(OverwriteWithGradient):
                 raise TypeError(
                     f"`preferred_element_type` must be a floating dtype for an FP8 dot, got {preferred_element_type}."
                 )
-        out = jax.eval_shape(
-            functools.partial(lax.dot_general, dimension_numbers=dims, preferred_element_type=preferred_element_type),
-            jax.ShapeDtypeStruct(lhs.shape, lhs.dtype),
-            jax.ShapeDtypeStruct(rhs.shape, rhs.dtype),
-        )
+        out_dtype = _out_dtype(lhs.shape, np.dtype(lhs.dtype), rhs.shape, np.dtype(rhs.dtype), dims,
+                               preferred_element_type)
         raw = self._raw_state()
         call = Call(
             settings=st,
             dims=dims,
             lhs_dtype=np.dtype(lhs.dtype),
             rhs_dtype=np.dtype(rhs.dtype),
-            out_dtype=np.dtype(out.dtype),
+            out_dtype=out_dtype,
             fwd_precision=st.fwd_precision if st.fwd_precision is not None else precision,
             state_is_max=tuple(is_max(v) for v in raw),
             lhs_vma=vma(lhs),
@@ -240,6 +237,17 @@ class Fp8DotGeneral(OverwriteWithGradient):
         """Haliax state-dict hook: keeps this module's FP8 state as it is."""
         del state_dict, prefix
         return self
+
+
+@functools.lru_cache(maxsize=1024)
+def _out_dtype(lhs_shape, lhs_dtype, rhs_shape, rhs_dtype, dims, preferred) -> np.dtype:
+    """The dtype `lax.dot_general` gives for these arguments (traced once per signature)."""
+    out = jax.eval_shape(
+        functools.partial(lax.dot_general, dimension_numbers=dims, preferred_element_type=preferred),
+        jax.ShapeDtypeStruct(lhs_shape, lhs_dtype),
+        jax.ShapeDtypeStruct(rhs_shape, rhs_dtype),
+    )
+    return np.dtype(out.dtype)
 
 
 def _check_operand(x, argname: str) -> Array:

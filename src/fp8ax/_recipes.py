@@ -272,6 +272,6 @@ class DelayedScaling(AbstractScalingRecipe):
                 x,
                 used,
             )
-        used = merge(used)
+            used = merge(used)  # the calibrating branch's scale, batched like its tensor under vmap
         values = _formats.quantize(x, used, dtype)
         return QuantizedArray(values, used), self.next_state(used, history, merge(_formats.amax(x)))

@@ -117,8 +117,8 @@ _SOURCE_OF: dict[int, tuple[weakref.ref, Any]] = {}  # id(float32 leaf) -> (leaf
 
 
 def _remember(view, value) -> None:
-    key = id(view)
-    _SOURCE_OF[key] = (weakref.ref(view, lambda _: _SOURCE_OF.pop(key, None)), value)
+    key, table = id(view), _SOURCE_OF  # the callback may run at exit, after module globals are cleared
+    table[key] = (weakref.ref(view, lambda _: table.pop(key, None)), value)
 
 
 def _enter(x):
