@@ -59,10 +59,8 @@ def scale_and_clip(x: ArrayLike, scale: ArrayLike, dtype: np.dtype) -> Array:
     inv = jnp.float32(1.0) / jnp.asarray(scale, jnp.float32)
     xf = jnp.asarray(x).astype(jnp.float32)
     clipped = lax.clamp(jnp.float32(-bound), xf * inv, jnp.float32(bound))
-    # `x == ±inf`, not `|x| == inf`: an `abs` shared with the amax reduction over the same
-    # tensor would have to be materialised instead of fused into both.
-    inf = jnp.float32(jnp.inf)
-    return select((xf == inf) | (xf == -inf), xf, clipped)
+    # Finite values saturate; +-inf and NaN pass through (the cast keeps them non-finite).
+    return select(lax.is_finite(xf), clipped, xf)
 
 
 def select(pred: ArrayLike, on_true: ArrayLike, on_false: ArrayLike) -> Array:

@@ -202,12 +202,17 @@ class DelayedScaling(AbstractScalingRecipe):
     def init_state(self, batch_shape: tuple[int, ...] = ()) -> ScalingState:
         return ScalingState.init(self.history_length, batch_shape)
 
-    def _checked(self, amax, scale, fp8_max):
+    def _checked(self, amax, scale, fp8_max, *, finite_amax: bool = False):
         # One multiply by a float32 constant, `2**margin / fp8_max` rounded once. Flax's
         # `1 / ((fp8_max / amax) / 2**margin)` is the same number mathematically, but XLA
         # simplifies it differently in different programs (inside `lax.scan` or not),
         # which would make the state depend by an ulp on how a layer was called.
-        new = amax * jnp.float32(2.0**self.margin / fp8_max)
+        factor = 2.0**self.margin / fp8_max
+        new = amax * jnp.float32(factor)
+        if finite_amax and factor <= 1:
+            # A finite amax times a factor <= 1 cannot overflow: only zero (an empty
+            # history) and underflow remain.
+            return _formats.select(new > 0, new, scale)
         # Covers a zero, NaN or inf amax, and a product that under/overflows.
         ok = lax.is_finite(new) & (new > 0)
         return _formats.select(ok, new, scale)
@@ -263,7 +268,8 @@ class DelayedScaling(AbstractScalingRecipe):
         scale, history = state
         fp8_max = _formats.fp8_max(dtype)
         longest = jnp.max(history, axis=-1)
-        used = self._checked(self._past_amax(history, longest), scale, fp8_max)
+        # History entries are finite (only valid amaxes are recorded).
+        used = self._checked(self._past_amax(history, longest), scale, fp8_max, finite_amax=True)
         if self.calibrate_first_call:
             used = lax.cond(
                 longest == 0,
