@@ -136,7 +136,8 @@ class _Walk:
             sub = next((eqn.params[k] for k in ("jaxpr", "call_jaxpr", "call") if k in eqn.params), None)
             if name == "cond":
                 index = int(vals[0])
-                self.branches.append(index)
+                if eqn.params.get("branches_platforms") is None:  # not `lax.platform_dependent`
+                    self.branches.append(index)
                 branch = eqn.params["branches"][index]
                 outs = self.run(branch.jaxpr, branch.consts, vals[1:], deps_in[1:], abs_in[1:])
             elif isinstance(sub, jex_core.ClosedJaxpr):
@@ -151,7 +152,8 @@ class _Walk:
                     self.amaxes += 1
                 if name == "convert_element_type" and np.dtype(eqn.params["new_dtype"]) in _FP8:
                     self.converts.append(dep)
-                is_abs = name == "abs" or (name == "convert_element_type" and abs_in[0])
+                # abs, and what keeps its values: a cast, or a select that replaces some (NaN -> inf).
+                is_abs = name == "abs" or (name in ("convert_element_type", "select_n") and any(abs_in))
                 outs = [(r, dep, is_abs) for r in res]
             for v, o in zip(eqn.outvars, outs):
                 env[v] = o

@@ -206,3 +206,22 @@ def test_values_above_the_delayed_range_saturate(getkey):
     assert bool(jnp.all(jnp.isfinite(y)))
     lhs_scale = float(jnp.max(dg.lhs.amax_history)) / 448.0
     np.testing.assert_allclose(np.asarray(y), 8 * 448.0 * lhs_scale, rtol=0.07)
+
+
+def test_nan_in_a_large_tensor_observes_nothing(getkey):
+    # On CPU, XLA reduces large arrays with a kernel that skips NaNs; a NaN must still
+    # make the call observe nothing (regression: 256x1024 recorded the finite max).
+    dg = _trained(getkey)
+    x = jax.random.normal(getkey(), (256, 1024)).at[3, 4].set(jnp.nan)
+    w = jax.random.normal(getkey(), (1024, 3))
+    gy = jax.random.normal(getkey(), (256, 3))
+    got = _state(eqx.filter_grad(lambda dg: jnp.sum(dg(x, w, DIMS) * gy))(dg))
+    # The input observed nothing: its "new state" is the no-observation marker (scale 0,
+    # zero newest entry), which `apply_updates` turns into the old state.
+    assert got["lhs"][0] == 0 and got["lhs"][1][0] == 0
+    new = fp8ax.apply_updates(dg, None, fp8ax.partition_for_grad_overwrite(
+        eqx.filter_grad(lambda dg: jnp.sum(dg(x, w, DIMS) * gy))(dg))[0])
+    np.testing.assert_array_equal(np.asarray(new.lhs.amax_history), np.asarray(dg.lhs.amax_history))
+    np.testing.assert_array_equal(np.asarray(new.lhs.scale), np.asarray(dg.lhs.scale))
+    # The weight's observation is unaffected.
+    assert got["rhs"][1][0] == np.abs(np.asarray(w)).max()

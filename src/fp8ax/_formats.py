@@ -78,5 +78,21 @@ def dequantize(q: ArrayLike, scale: ArrayLike, dtype) -> Array:
 
 
 def amax(x: ArrayLike) -> Array:
-    """max |x| as float32 (NaN if any element is NaN)."""
-    return jnp.max(jnp.abs(jnp.asarray(x))).astype(jnp.float32)
+    """max |x| as float32; not finite (NaN or inf) if any element is NaN or inf.
+
+    XLA's `max` propagates NaN, but the CPU backend of jax 0.10 reduces large arrays with
+    a kernel that skips NaNs (`jnp.max(jnp.abs(x))` of a 256x1024 array holding one NaN
+    returns the largest finite value). On CPU the NaNs are therefore counted as +inf
+    before the reduction: one more pass over the tensor, on CPU only
+    (`lax.platform_dependent`)."""
+    x = jnp.asarray(x)
+    return lax.platform_dependent(x, cpu=_amax_nan_as_inf, default=_amax).astype(jnp.float32)
+
+
+def _amax(x):
+    return jnp.max(lax.abs(x))
+
+
+def _amax_nan_as_inf(x):
+    ax = lax.abs(x)
+    return jnp.max(select(ax == ax, ax, jnp.full_like(ax, jnp.inf)))
