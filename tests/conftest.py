@@ -1,4 +1,8 @@
+import functools
+import os
+import warnings
 import zlib
+from importlib.metadata import version
 
 import jax
 import pytest
@@ -24,3 +28,41 @@ def getkey(request):
     # Seeded by the test's id: every run of a test sees the same data, so a failure
     # reproduces, and different tests still see different data.
     return _GetKey(zlib.crc32(request.node.nodeid.encode()))
+
+
+# --- `needs_hax_dot`: tests that need a working named-axis `hax.dot` ---
+#
+# Haliax 1.4.dev453's `hax.dot` (and so every `hax.nn.Linear`) calls
+# `jax.core.is_constant_dim`, which jax 0.11 removed. Tests marked `needs_hax_dot` are
+# skipped when a tiny `hax.dot` fails here, whatever the versions: they run again as soon
+# as Haliax works with the installed JAX. CI's run on the oldest supported JAX sets
+# FP8AX_REQUIRE_HAX_DOT=1, which turns the skip into a failure, so that run is complete.
+
+
+@functools.cache
+def hax_dot_failure() -> str | None:
+    """None if a named-axis `hax.dot` works (eagerly and under `jit`), else what it raised."""
+    import haliax as hax
+    import jax.numpy as jnp
+
+    A, B = hax.Axis("a", 2), hax.Axis("b", 3)
+    x = hax.named(jnp.arange(6.0).reshape(2, 3), (A, B))
+    w = hax.named(jnp.ones(3), (B,))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a deprecation warning is not a broken hax.dot
+            for out in (hax.dot(x, w, axis=B), jax.jit(lambda x, w: hax.dot(x, w, axis=B))(x, w)):
+                assert out.axes == (A,) and out.array.tolist() == [3.0, 12.0], out
+    except Exception as e:  # noqa: BLE001 (any failure means the tests cannot run)
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)  # before fixtures, which may build Haliax models
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("needs_hax_dot") is None or (why := hax_dot_failure()) is None:
+        return
+    msg = f"named-axis hax.dot fails with haliax {version('haliax')} on jax {jax.__version__}: {why}"
+    if os.environ.get("FP8AX_REQUIRE_HAX_DOT") == "1":
+        pytest.fail(f"FP8AX_REQUIRE_HAX_DOT=1, but {msg}", pytrace=False)
+    pytest.skip(msg)

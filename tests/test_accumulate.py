@@ -62,6 +62,7 @@ def setup(getkey):
     return model, x, y
 
 
+@pytest.mark.needs_hax_dot
 def test_accumulate_gradients_equals_full_batch(setup):
     model, x, y = setup
     full = eqx.filter_grad(_sum_loss)(model, x, y)
@@ -77,6 +78,7 @@ def test_accumulate_gradients_equals_full_batch(setup):
     _assert_step_equal(step(acc), step(full))
 
 
+@pytest.mark.needs_hax_dot
 def test_microbatched_scan_equals_full_batch(setup):
     model, x, y = setup
     full = eqx.filter_jit(eqx.filter_value_and_grad(_sum_loss))(model, x, y)
@@ -88,6 +90,7 @@ def test_microbatched_scan_equals_full_batch(setup):
     assert any(e.primitive.name == "scan" and e.params["length"] == K for e in jaxpr.eqns)
 
 
+@pytest.mark.needs_hax_dot
 def test_average_for_mean_losses_does_not_divide_the_state(setup):
     model, x, y = setup
     got = eqx.filter_jit(fp8ax.microbatched(eqx.filter_grad(_mean_loss), K, average=True))(model, x, y)
@@ -104,6 +107,7 @@ def test_average_for_mean_losses_does_not_divide_the_state(setup):
         np.testing.assert_array_equal(a, b, err_msg=path)
 
 
+@pytest.mark.needs_hax_dot
 def test_first_step_state(getkey):
     # With an empty history each microbatch calibrates on its own amax. The weights' and
     # the model input's states only depend on those tensors: the max over microbatches
@@ -122,6 +126,7 @@ def test_first_step_state(getkey):
             np.testing.assert_allclose(a, b, rtol=0.15, err_msg=path)
 
 
+@pytest.mark.needs_hax_dot
 def test_summing_or_last_microbatch_would_be_wrong(setup):
     # Regression: what a plain tree sum (and the "last microbatch / k" bug) would give.
     model, x, y = setup
@@ -167,6 +172,7 @@ def test_plain_arrays_and_an_unused_layer(getkey):
     assert float(new.unused.lhs.scale) == 1.0 and float(new.used.lhs.amax_history[0]) == float(jnp.max(jnp.abs(x)))
 
 
+@pytest.mark.needs_hax_dot
 def test_errors(setup):
     model, x, y = setup
     g = eqx.filter_grad(_sum_loss)(model, x, y)

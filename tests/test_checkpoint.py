@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from haliax.state_dict import from_state_dict, to_state_dict
 from helpers import Batch, Deep, HaliaxMLP, In, Layers, Mid, Out, mse, sgd_step
 
@@ -71,6 +72,7 @@ def _round_trip(tree, like):
 # ------------------------------------------------ 1. tree_serialise_leaves round trip
 
 
+@pytest.mark.needs_hax_dot
 def test_serialise_round_trip_haliax(getkey):
     x, y = _haliax_data(getkey)
     model = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
@@ -106,6 +108,7 @@ def test_serialise_round_trip_equinox_mlp(getkey):
 # --------------------------------------------------------------------- 2. resume
 
 
+@pytest.mark.needs_hax_dot
 def test_resume_from_checkpoint_is_bit_exact(getkey):
     opt = optax.adam(1e-2)
     batches = [_haliax_data(getkey) for _ in range(10)]
@@ -180,6 +183,7 @@ def test_state_dict_of_stacked_model_has_per_layer_keys(getkey):
     )
 
 
+@pytest.mark.needs_hax_dot
 def test_state_dict_import_keeps_fp8_state(getkey):
     for make in (HaliaxMLP.init, Deep.init):
         data = _haliax_data(getkey)
@@ -210,38 +214,44 @@ def test_haliax_quantization_adds_state_dict_keys(getkey):
 # ------------------------------------------- 4. plain checkpoint into converted model
 
 
-def test_plain_checkpoint_loads_into_converted_model(getkey, tmp_path):
+@pytest.mark.parametrize("kind", [pytest.param("haliax", marks=pytest.mark.needs_hax_dot), "equinox"])
+def test_plain_checkpoint_loads_into_converted_model(kind, getkey, tmp_path):
     config = fp8ax.Fp8Config(recipe=fp8ax.DelayedScaling(history_length=16))
-    for make, loss, data in ((HaliaxMLP.init, mse, _haliax_data(getkey)),
-                             (_eqx_mlp, _eqx_mse, _eqx_data(getkey))):
-        plain = make(key=getkey())
-        path = tmp_path / "plain.eqx"
-        eqx.tree_serialise_leaves(path, plain)
+    make, loss, data = {
+        "haliax": lambda: (HaliaxMLP.init, mse, _haliax_data(getkey)),
+        "equinox": lambda: (_eqx_mlp, _eqx_mse, _eqx_data(getkey)),
+    }[kind]()
+    plain = make(key=getkey())
+    path = tmp_path / "plain.eqx"
+    eqx.tree_serialise_leaves(path, plain)
 
-        converted = sgd_step(loss)(fp8ax.fp8_linear_layers(make(key=getkey()), config), *data)
-        assert all(float(dg.lhs.scale) != 1.0 for dg in _states(converted))
+    converted = sgd_step(loss)(fp8ax.fp8_linear_layers(make(key=getkey()), config), *data)
+    assert all(float(dg.lhs.scale) != 1.0 for dg in _states(converted))
 
-        model = fp8ax.fp8_linear_layers(eqx.tree_deserialise_leaves(path, fp8ax.strip_fp8(converted)), config)
+    model = fp8ax.fp8_linear_layers(eqx.tree_deserialise_leaves(path, fp8ax.strip_fp8(converted)), config)
 
-        assert jax.tree.structure(model) == jax.tree.structure(converted)
-        _assert_trees_bit_equal(fp8ax.strip_fp8(model), plain)
-        for dg in _states(model):
-            for state in (dg.lhs, dg.rhs, dg.grad):
-                np.testing.assert_array_equal(np.asarray(state.scale), np.float32(1.0))
-                np.testing.assert_array_equal(np.asarray(state.amax_history), np.zeros(16, np.float32))
+    assert jax.tree.structure(model) == jax.tree.structure(converted)
+    _assert_trees_bit_equal(fp8ax.strip_fp8(model), plain)
+    for dg in _states(model):
+        for state in (dg.lhs, dg.rhs, dg.grad):
+            np.testing.assert_array_equal(np.asarray(state.scale), np.float32(1.0))
+            np.testing.assert_array_equal(np.asarray(state.amax_history), np.zeros(16, np.float32))
 
 
 # ---------------------------------------------------------------------- 5. strip_fp8
 
 
-def test_strip_fp8_gives_back_the_plain_model(getkey):
-    x_hax = hax.random.normal(getkey(), (Batch, In))
-    x_eqx = jax.random.normal(getkey(), (Batch.size, In.size))
-    cases = [
-        (HaliaxMLP.init(key=getkey()), lambda m: m(x_hax).array),
-        (Deep.init(key=getkey()), lambda m: m(x_hax).array),
-        (_eqx_mlp(getkey()), lambda m: jax.vmap(m)(x_eqx)),
-    ]
+@pytest.mark.parametrize("kind", [pytest.param("haliax", marks=pytest.mark.needs_hax_dot), "equinox"])
+def test_strip_fp8_gives_back_the_plain_model(kind, getkey):
+    if kind == "haliax":
+        x_hax = hax.random.normal(getkey(), (Batch, In))
+        cases = [
+            (HaliaxMLP.init(key=getkey()), lambda m: m(x_hax).array),
+            (Deep.init(key=getkey()), lambda m: m(x_hax).array),
+        ]
+    else:
+        x_eqx = jax.random.normal(getkey(), (Batch.size, In.size))
+        cases = [(_eqx_mlp(getkey()), lambda m: jax.vmap(m)(x_eqx))]
     for plain, apply in cases:
         converted = fp8ax.fp8_linear_layers(plain)
         assert jax.tree.structure(converted) != jax.tree.structure(plain)
@@ -254,6 +264,7 @@ def test_strip_fp8_gives_back_the_plain_model(getkey):
         assert not np.array_equal(np.asarray(apply(converted)), np.asarray(apply(plain)))
 
 
+@pytest.mark.needs_hax_dot
 def test_strip_fp8_keeps_trained_weights(getkey):
     x, y = _haliax_data(getkey)
     model = fp8ax.fp8_linear_layers(Deep.init(key=getkey()))

@@ -205,7 +205,7 @@ ALL = [fp8ax.CurrentScaling(), fp8ax.CurrentScaling("row", True), fp8ax.MXScalin
 
 @pytest.mark.parametrize("recipe", ALL, ids=lambda r: repr(r).split("(")[0])
 def test_recipes_under_transforms(recipe, getkey):
-    # jit, grad, vmap, scan and Stacked, each against the same computation without the
+    # jit, grad, vmap and scan, each against the same computation without the
     # transform (bit for bit: the same ops on the same values).
     x = jax.random.normal(getkey(), (4, 16))
     w = jax.random.normal(getkey(), (16, 8))
@@ -220,6 +220,11 @@ def test_recipes_under_transforms(recipe, getkey):
     np.testing.assert_array_equal(np.asarray(yv[2]), np.asarray(call(-x)))
     g = jax.jit(jax.grad(lambda w: jnp.sum(jax.vmap(lambda xi: dg(xi, w, DIMS))(xs) ** 2)))(w)
     assert g.shape == w.shape and bool(jnp.all(jnp.isfinite(g)))
+
+
+@pytest.mark.needs_hax_dot
+@pytest.mark.parametrize("recipe", ALL, ids=lambda r: repr(r).split("(")[0])
+def test_recipes_in_a_stacked_haliax_model(recipe, getkey):
     # A stacked Haliax model: converted, differentiated, no state.
     model = fp8ax.fp8_linear_layers(Deep.init(key=getkey()), fp8ax.Fp8Config(recipe=recipe))
     xb = hax.random.normal(getkey(), (Batch, In))

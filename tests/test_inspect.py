@@ -3,11 +3,13 @@
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import pytest
 from helpers import Batch, HaliaxMLP, In, Out, mse, sgd_step
 
 import fp8ax
 
 
+@pytest.mark.needs_hax_dot
 def test_report_on_a_training_step(getkey):
     import haliax as hax
 

@@ -65,6 +65,7 @@ def _params(tree):
 # 1. optax.chain(clip_by_global_norm, add_decayed_weights, sgd)
 
 
+@pytest.mark.needs_hax_dot
 def test_optax_chain_clip_decay_sgd_matches_hand_computation(getkey):
     lr, wd, clip = 0.1, 0.01, 0.05
     model = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
@@ -113,6 +114,7 @@ def test_optax_chain_clip_decay_sgd_matches_hand_computation(getkey):
 # 2. optax.MultiSteps
 
 
+@pytest.mark.needs_hax_dot
 def test_multisteps_accumulates_parameters_and_overwrites_state_every_call(getkey):
     lr, k = 0.5, 2
     model = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
@@ -249,6 +251,7 @@ def _grads(loss, model, *batch):
     return _jitted_grad(loss)(model, *batch)
 
 
+@pytest.mark.needs_hax_dot
 def test_filter_checkpoint_around_layers(getkey):
     model = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
     x, y = _data(getkey)
@@ -273,6 +276,7 @@ def test_filter_checkpoint_around_layers(getkey):
     assert not _has_remat(grad_of(mse), model, x, y)
 
 
+@pytest.mark.needs_hax_dot
 @pytest.mark.parametrize("policy", [True, "full"])
 def test_stacked_gradient_checkpointing(policy, getkey):
     key = getkey()

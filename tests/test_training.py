@@ -67,6 +67,7 @@ def haliax_setup():
     return model, loss_fn, batches, _train(model, loss_fn, batches, 300)
 
 
+@pytest.mark.needs_hax_dot
 def test_haliax_mlp_fp8_matches_bf16(haliax_setup):
     model, loss_fn, batches, bf16 = haliax_setup
     start = float(loss_fn(model, *batches(0)))
@@ -109,6 +110,7 @@ RECIPES = [
 ]
 
 
+@pytest.mark.needs_hax_dot
 @pytest.mark.parametrize("recipe,tolerance", RECIPES, ids=lambda v: repr(v).split("(")[0] if not isinstance(
     v, float) else str(v))
 def test_each_recipe_trains_like_bf16(recipe, tolerance, haliax_setup):

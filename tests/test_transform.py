@@ -74,6 +74,7 @@ def test_no_linear_layer_is_an_error():
         fp8ax.fp8_linear_layers({"w": jnp.ones(3)})
 
 
+@pytest.mark.needs_hax_dot
 def test_stacked_layers_get_their_own_state(getkey):
     m = fp8ax.fp8_linear_layers(Deep.init(key=getkey()))
     dg = m.blocks.stacked.mlp.up_proj.dot_general
@@ -100,6 +101,7 @@ def test_blockseq_layers_get_their_own_state(getkey):
     assert m.blocks[1].mlp.up_proj.dot_general.lhs.scale.shape == ()
 
 
+@pytest.mark.needs_hax_dot
 def test_idempotent_keeps_state(getkey):
     m = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
     x = hax.random.normal(getkey(), (Batch, In))
@@ -208,6 +210,7 @@ def test_config_is_immutable():
         c.mode = "qdq"  # type: ignore[misc]
 
 
+@pytest.mark.needs_hax_dot
 def test_named_axis_dot_with_injected_dot_general(getkey):
     x = hax.random.normal(getkey(), (Batch, In))
     w = hax.random.normal(getkey(), (In, Out))
@@ -220,6 +223,7 @@ def test_named_axis_dot_with_injected_dot_general(getkey):
     np.testing.assert_array_equal(np.asarray(y2.array), np.asarray(y.array))
 
 
+@pytest.mark.needs_hax_dot
 def test_fp8_all_gather_config(getkey):
     m = fp8ax.fp8_linear_layers(Deep.init(key=getkey()), fp8ax.Fp8Config(fp8_all_gather=True))
     # The weight's own axis names (not the stacked Layers axis), in the weight's order.

@@ -25,6 +25,7 @@ def test_partition_splits_state_from_parameters(getkey):
     assert rest.up_proj.dot_general is None and rest.up_proj.weight.array is m.up_proj.weight.array
 
 
+@pytest.mark.needs_hax_dot
 def test_tldr_train_step_with_adamw(getkey):
     # The README's step, with an optimiser that reads `params` (weight decay).
     model = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
@@ -67,6 +68,7 @@ def test_parameters_keep_their_dtype(getkey):
     )
 
 
+@pytest.mark.needs_hax_dot
 def test_gradients_passed_as_overwrite_are_refused(getkey):
     model = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
     x, y = _data(getkey)
@@ -76,6 +78,7 @@ def test_gradients_passed_as_overwrite_are_refused(getkey):
         fp8ax.apply_updates(model, rest, grads)  # Haliax's docs make this mistake
 
 
+@pytest.mark.needs_hax_dot
 def test_unpartitioned_updates_are_refused(getkey):
     model = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
     x, y = _data(getkey)
@@ -96,6 +99,7 @@ class TwoHeads(eqx.Module):
         return (self.head_a if head == "a" else self.head_b)(h)
 
 
+@pytest.mark.needs_hax_dot
 def test_unused_layer_keeps_its_state(getkey):
     ks = jax.random.split(getkey(), 3)
     model = TwoHeads(
@@ -125,6 +129,7 @@ def test_unused_layer_keeps_its_state(getkey):
     assert float(after_model.head_b.dot_general.lhs.scale) > 0.0
 
 
+@pytest.mark.needs_hax_dot
 def test_interop_with_haliax_helpers(getkey):
     ours = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
     theirs = haxq.quantize_linear_layers(HaliaxMLP.init(key=getkey()), haxq.QuantizationConfig(fp8=True))
@@ -145,6 +150,7 @@ def test_interop_with_haliax_helpers(getkey):
     assert float(new.up_proj.dot_general.input_amax_history[0]) == float(jnp.max(jnp.abs(x.array)))
 
 
+@pytest.mark.needs_hax_dot
 def test_clip_by_global_norm_does_not_see_state(getkey):
     model = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
     plain = HaliaxMLP.init(key=getkey())
@@ -159,6 +165,7 @@ def test_clip_by_global_norm_does_not_see_state(getkey):
     assert len(jax.tree.leaves(grads)) == len(jax.tree.leaves(plain_grads))
 
 
+@pytest.mark.needs_hax_dot
 def test_cast_floating(getkey):
     model = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
     cast = fp8ax.cast_floating(model, jnp.bfloat16)

@@ -19,14 +19,22 @@
 # rebuild the model, i.e. once, above every use. Its pytree leaves are always float32, so
 # `eqx.filter_grad`, optimisers, serialisation and users only ever see float32.
 #
-# Two JAX gaps are bridged here, both covered by tests:
+# Three JAX gaps are bridged here, all covered by tests:
 # - the builtin transpose of an extended-dtype conversion reads `.dtype` from an
-#   `UndefinedPrimal` in jax 0.10's backward pass, so both conversions are `custom_vjp`s;
+#   `UndefinedPrimal` in the backward pass (jax 0.10 through 0.12), so both conversions
+#   are `custom_vjp`s;
 # - a `vmap`ped use whose input is batched but whose state is not would have its state
 #   cotangents reduce-*summed* over the batch (and extended dtypes have no `sum`), so
-#   `merged_amax` reduces observed amaxes with `max` over such axes first (see there).
+#   `merged_amax` reduces observed amaxes with `max` over such axes first (see there);
+# - with `jax_debug_nans`/`jax_debug_infs` on, JAX reads `addressable_shards` of eager
+#   results, which `EArray` does not implement, so concrete MAXF32 arrays are a small
+#   `EArray` subclass that does (`_MaxF32Array`).
 #
-# This module touches `jax._src`; the supported JAX range is pinned in pyproject.toml.
+# This module touches `jax._src`: the extended-dtype protocol (`dtypes.extended`,
+# `dtypes.ExtendedDType` with a `_rules` class, `earray.EArray`). It is checked at import
+# (`_require_extended_dtypes`), and the JAX range the tests run on is pinned in
+# pyproject.toml. The rules below are the ones jax 0.10 through 0.12 call; `_rules`
+# attributes that JAX no longer reads are left out on purpose.
 
 import dataclasses
 
@@ -34,12 +42,49 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax._src import ad_util as _ad_util
-from jax._src import core as _core
-from jax._src import dtypes as _dtypes
-from jax._src import earray as _earray
-from jax._src.interpreters import pxla as _pxla
 from jax.custom_batching import custom_vmap
+
+_SUPPORTED_JAX = "jax>=0.10,<0.13"
+
+
+def _require_extended_dtypes():
+    """Import JAX's extended-dtype internals, or fail with an error that names the versions."""
+    try:
+        from jax._src import ad_util, core, dtypes, earray, tree_util
+        from jax._src.interpreters import pxla
+
+        for module, name in [
+            (dtypes, "extended"),
+            (dtypes, "ExtendedDType"),
+            (earray, "EArray"),
+            (core, "ShapedArray"),
+            (core, "physical_aval"),
+            (core, "pytype_aval_mappings"),
+            (pxla, "global_result_handlers"),
+            (pxla, "shard_arg_handlers"),
+            (dtypes, "register_canonicalize_value_handler"),
+            (tree_util, "dispatch_registry"),
+            (ad_util, "raw_jaxval_adders"),
+            (ad_util, "add_jaxvals"),
+        ]:
+            if not hasattr(module, name):
+                raise ImportError(f"{module.__name__}.{name} does not exist")
+        # jax._src.earray registers EArray with these; `_MaxF32Array` copies the entries.
+        for name, registry in [("interpreters.pxla.shard_arg_handlers", pxla.shard_arg_handlers),
+                               ("core.pytype_aval_mappings", core.pytype_aval_mappings)]:
+            if earray.EArray not in registry:
+                raise ImportError(f"EArray is not in jax._src.{name}")
+    except ImportError as e:
+        raise ImportError(
+            f"fp8ax needs JAX's extended-dtype machinery (jax._src.dtypes.extended, "
+            f"ExtendedDType, jax._src.earray.EArray), which the installed jax "
+            f"{jax.__version__} does not provide ({e}). fp8ax supports {_SUPPORTED_JAX}: "
+            f'install a JAX in that range, e.g. pip install "{_SUPPORTED_JAX}".'
+        ) from e
+    return ad_util, core, dtypes, earray, pxla, tree_util
+
+
+_ad_util, _core, _dtypes, _earray, _pxla, _tree_util = _require_extended_dtypes()
 
 
 class _MaxF32Rules:
@@ -48,13 +93,9 @@ class _MaxF32Rules:
     def physical_element_aval(dtype):
         return _core.ShapedArray((), np.dtype(np.float32))
 
-    @staticmethod
-    def convert_from(dtype, other_dtype) -> bool:
-        return other_dtype == np.dtype(np.float32)
-
-    @staticmethod
-    def convert_to(other_dtype, dtype) -> bool:
-        return other_dtype == np.dtype(np.float32)
+    # `lax.convert_element_type` may convert to and from MAXF32; JAX itself only allows
+    # the physical dtype (float32) on the other side.
+    allow_conversion = True
 
     # Cotangent accumulation: max instead of +.
     @staticmethod
@@ -76,20 +117,15 @@ class _MaxF32Rules:
         fill = lax.convert_element_type(fill_value, np.float32)
         return _raw_to_max(lax.full(shape, fill, np.float32))
 
+    # Wraps the physical float32 results of a computation as `_MaxF32Array`s. Built with
+    # the physical handler's `wrap`, so it stays a JAX result handler: with
+    # `jax_debug_nans` or `jax_debug_infs` on, JAX calls its `pre_wrap` to check the float32
+    # buffers. The physical shape is the logical one, so the sharding carries over unchanged.
     @staticmethod
     def global_sharded_result_handler(aval, out_sharding, committed):
         phys_aval = _core.physical_aval(aval)
-        handler = _pxla.global_result_handlers[_core.ShapedArray](phys_aval, out_sharding, committed)
-        return lambda bufs: _earray.EArray(aval, handler(bufs))
-
-    # Same shape physically, so shardings carry over unchanged.
-    @staticmethod
-    def physical_sharding(aval, sharding):
-        return sharding
-
-    @staticmethod
-    def logical_sharding(aval, phys_sharding):
-        return phys_sharding
+        phys_handler = _pxla.global_result_handlers[_core.ShapedArray](phys_aval, out_sharding, committed)
+        return phys_handler.wrap(lambda phys: _MaxF32Array(aval, phys))
 
 
 class maxf32(_dtypes.extended):
@@ -111,9 +147,38 @@ class _MaxF32DType(_dtypes.ExtendedDType):
 
 MAXF32 = _MaxF32DType()
 
-# Eager (un-jitted) accumulation of two concrete MAXF32 arrays: route through a jitted add,
-# whose lowering applies the `add` rule above.
-_ad_util.raw_jaxval_adders[_earray.EArray] = jax.jit(_ad_util.add_jaxvals)
+
+class _MaxF32Array(_earray.EArray):
+    """A concrete MAXF32 array: JAX's `EArray` plus `addressable_shards`.
+
+    With `jax_debug_nans`/`jax_debug_infs` on, JAX checks the `addressable_shards` of every
+    output of an eager (dispatched) op, and `EArray.addressable_shards` raises
+    `NotImplementedError`. Here they are the shards of the float32 buffer, which is what
+    the check should read. JAX dispatches on the exact type of an array, so the subclass is
+    registered everywhere `EArray` is.
+    """
+
+    __slots__ = ()
+
+    @property
+    def addressable_shards(self):
+        return self._data.addressable_shards
+
+
+_pxla.shard_arg_handlers[_MaxF32Array] = _pxla.shard_arg_handlers[_earray.EArray]
+_core.pytype_aval_mappings[_MaxF32Array] = _core.pytype_aval_mappings[_earray.EArray]
+_dtypes.register_canonicalize_value_handler(_MaxF32Array, None)
+_tree_util.dispatch_registry.register_node(
+    _MaxF32Array, lambda x: ((x._data,), x.aval), lambda aval, xs: _MaxF32Array(aval, xs[0])
+)
+
+# Eager (un-jitted) accumulation of two concrete MAXF32 arrays. JAX looks the adder up by
+# the Python type (EArray for every extended dtype), so route both types through a jitted
+# add, whose lowering applies the dtype's `add` rule above. An adder already registered
+# (by JAX or another library) is left alone: for EArray it dispatches on the dtype's rules.
+_eager_add = jax.jit(_ad_util.add_jaxvals)
+for _t in (_earray.EArray, _MaxF32Array):
+    _ad_util.raw_jaxval_adders.setdefault(_t, _eager_add)
 
 
 def _raw_to_max(x):
