@@ -45,6 +45,7 @@ def _check_timing(info, where):
 
 
 @pytest.mark.slow
+@pytest.mark.needs_hax_dot  # the MLP block is Haliax's
 def test_dry_pass(dry_run):
     proc, payload = dry_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
