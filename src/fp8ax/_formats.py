@@ -1,3 +1,4 @@
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -78,13 +79,14 @@ def dequantize(q: ArrayLike, scale: ArrayLike, dtype) -> Array:
 
 
 def amax(x: ArrayLike) -> Array:
-    """max |x| as float32; not finite (NaN or inf) if any element is NaN or inf.
+    """max |x| as float32; not finite (inf) if any element is NaN or inf.
 
     XLA's `max` propagates NaN, but the CPU backend of jax 0.10 reduces large arrays with
     a kernel that skips NaNs (`jnp.max(jnp.abs(x))` of a 256x1024 array holding one NaN
-    returns the largest finite value). On CPU the NaNs are therefore counted as +inf
-    before the reduction: one more pass over the tensor, on CPU only
-    (`lax.platform_dependent`)."""
+    returns the largest finite value). On CPU a NaN therefore counts as +inf in the
+    reduction (`lax.platform_dependent`: other backends reduce `|x|` as it is). It is
+    jitted so that eager calls with `jax_debug_infs` do not see the inf it holds in
+    place of a NaN."""
     x = jnp.asarray(x)
     return lax.platform_dependent(x, cpu=_amax_nan_as_inf, default=_amax).astype(jnp.float32)
 
@@ -93,6 +95,7 @@ def _amax(x):
     return jnp.max(lax.abs(x))
 
 
+@jax.jit
 def _amax_nan_as_inf(x):
     ax = lax.abs(x)
     return jnp.max(select(ax == ax, ax, jnp.full_like(ax, jnp.inf)))
