@@ -39,8 +39,10 @@ def calibrate(model: T, loss_fn: Callable[..., Any], batches: Iterable[Any], *, 
     scale its history gives (see the "How it works" page). Layers the batches did not
     reach keep their settings.
 
-    Call it *before* building the optimiser state (`opt.init(...)`): the switch changes
-    the layers' static settings, which are part of the model's tree structure.
+    The switch changes the layers' static settings, so a jitted step compiles once more.
+    An optimiser state built as fp8ax's docs build it, from the model without its FP8
+    state (`fp8ax.partition_for_grad_overwrite(model)[1]`), holds no FP8 modules and stays
+    valid either way.
 
     **Arguments:**
 
