@@ -12,6 +12,14 @@ import fp8ax
 DIMS = (((1,), (0,)), ((), ()))
 
 
+def test_float_margin_equal_to_an_integer_is_accepted():
+    # TransformerEngine's DelayedScaling(margin=0.0) ports as it is.
+    r = fp8ax.DelayedScaling(margin=2.0)
+    assert r.margin == 2 and isinstance(r.margin, int)
+    assert r == fp8ax.DelayedScaling(margin=2)
+    assert fp8ax.DelayedScaling(margin=np.float32(0.0)).margin == 0
+
+
 def test_defaults():
     r = fp8ax.DelayedScaling()
     assert (r.history_length, r.margin, r.amax_compute_algo, r.calibrate_first_call) == (1024, 0, "max", True)
@@ -25,6 +33,8 @@ def test_defaults():
         (dict(history_length=2.5), TypeError, "`history_length` must be an int"),
         (dict(margin=-1), ValueError, "`margin` must be >= 0, got -1"),
         (dict(margin=0.5), TypeError, "`margin` must be an int"),
+        (dict(margin=float("nan")), TypeError, "`margin` must be an int"),
+        (dict(margin=-1.0), ValueError, "`margin` must be >= 0, got -1"),
         (dict(amax_compute_algo="mean"), ValueError, "`amax_compute_algo` must be 'max' or 'most_recent'"),
         (dict(calibrate_first_call=1), TypeError, "`calibrate_first_call` must be a bool"),
         (dict(fwd_dtype=jnp.bfloat16), TypeError, "`fwd_dtype` must be an 8-bit floating-point dtype"),

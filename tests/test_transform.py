@@ -64,6 +64,19 @@ def test_list_entries_match_whole_path_components(getkey):
         fp8ax.fp8_linear_layers(Deep.init(key=getkey()), fp8ax.Fp8Config(targets=["proj"]))
 
 
+def test_every_list_entry_must_match(getkey):
+    # A misspelt entry next to a valid one used to be ignored: "linear_1" converted,
+    # "lnear2" silently skipped.
+    mlp = eqx.nn.MLP(4, 2, 8, 2, key=getkey())  # layers.0, layers.1, layers.2
+    with pytest.raises(ValueError, match=r"entries 'layer.2' \(close: 'layers.2', .*\) match none of the 3"):
+        fp8ax.fp8_linear_layers(mlp, fp8ax.Fp8Config(targets=["layers.0", "layer.2"]))
+    with pytest.raises(ValueError, match=r"'nothing_like_it' match none"):
+        fp8ax.fp8_linear_layers(mlp, fp8ax.Fp8Config(targets=["layers.1", "nothing_like_it"]))
+    # Every entry matching is fine, and a duplicate is not an error.
+    m = fp8ax.fp8_linear_layers(mlp, fp8ax.Fp8Config(targets=["layers.0", "2", "layers.0"]))
+    assert [isinstance(l, fp8ax.Fp8Linear) for l in m.layers] == [True, False, True]
+
+
 def test_regex_must_fullmatch(getkey):
     with pytest.raises(ValueError, match="matches none"):
         fp8ax.fp8_linear_layers(Deep.init(key=getkey()), fp8ax.Fp8Config(targets="mlp"))

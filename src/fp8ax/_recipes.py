@@ -153,7 +153,8 @@ class DelayedScaling(AbstractScalingRecipe):
 
         - `history_length`: number of past amaxes kept per tensor (>= 1).
         - `margin`: extra headroom, in powers of two (>= 0): the scale is multiplied by
-          `2**margin`.
+          `2**margin`. A float equal to an integer (`2.0`, as TransformerEngine passes
+          it) is accepted and stored as that integer.
         - `amax_compute_algo`: `"max"` (the maximum over the history) or `"most_recent"`
           (the newest entry).
         - `calibrate_first_call`: while the history is still empty (the first step), take
@@ -170,6 +171,10 @@ class DelayedScaling(AbstractScalingRecipe):
           (`jnp.float8_e5m2` for `"hybrid"`). (Keyword only argument.)
         """
         self.history_length = history_length
+        # TransformerEngine passes `margin` as a float (`margin=0.0`): accept a float that
+        # equals an integer, and store the integer.
+        if isinstance(margin, float | np.floating) and float(margin).is_integer():
+            margin = int(margin)
         self.margin = margin
         self.amax_compute_algo = amax_compute_algo
         self.calibrate_first_call = calibrate_first_call
@@ -181,7 +186,7 @@ class DelayedScaling(AbstractScalingRecipe):
         if self.history_length < 1:
             raise ValueError(f"`history_length` must be >= 1, got {self.history_length}.")
         if isinstance(self.margin, bool) or not isinstance(self.margin, int | np.integer):
-            raise TypeError(f"`margin` must be an int >= 0, got {self.margin!r}.")
+            raise TypeError(f"`margin` must be an int >= 0 (or a float equal to one), got {self.margin!r}.")
         if self.margin < 0:
             raise ValueError(f"`margin` must be >= 0, got {self.margin}.")
         if self.amax_compute_algo not in ("max", "most_recent"):

@@ -1,4 +1,5 @@
 import dataclasses
+import difflib
 import math
 from typing import Any, Literal, TypeVar
 
@@ -228,12 +229,30 @@ def fp8_linear_layers(module: T, config: Fp8Config | None = None) -> T:
             f"Their paths: {shown}. A list entry matches a path that equals it or ends with '.' + entry; a "
             "string must re.fullmatch the whole path."
         )
+    if isinstance(config.targets, tuple):
+        unmatched = [name for name in config.targets if not any(p == name or p.endswith("." + name) for p in seen)]
+        if unmatched:
+            raise ValueError(_unmatched_targets_message(unmatched, seen))
     if kept == 0:
         raise ValueError(
             f"`config.min_features` ({config.min_features}) skips all {selected} selected linear layers (each has "
             "an input or output smaller than that), so nothing was converted. Lower `min_features`."
         )
     return out
+
+
+def _unmatched_targets_message(unmatched: list[str], paths: list[str]) -> str:
+    # Close matches among the paths and their dotted suffixes ("linear1" for "linear_1").
+    candidates = sorted({".".join(p.split(".")[i:]) for p in paths for i in range(len(p.split(".")))})
+    lines = []
+    for name in unmatched:
+        close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.6)
+        lines.append(f"{name!r}" + (f" (close: {', '.join(repr(c) for c in close)})" if close else ""))
+    return (
+        f"`config.targets` entries {', '.join(lines)} match none of the {len(paths)} linear layers; every entry of a "
+        "list must match at least one layer (a misspelt name would silently leave its layer unconverted). A list "
+        "entry matches a path that equals it or ends with '.' + entry."
+    )
 
 
 def _has_fp8_dot_general(layer: Any) -> bool:
