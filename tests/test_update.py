@@ -178,3 +178,20 @@ def test_cast_floating(getkey):
     naive = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, model)
     with pytest.raises(TypeError, match="must stay float32"):
         naive(hax.random.normal(getkey(), (Batch, In)).astype(jnp.bfloat16))
+
+
+def test_apply_updates_with_overwrite_none(getkey):
+    # Forgetting the partition used to end in a pytree-structure error; it now names FP8.
+    m = fp8ax.fp8_linear_layers(eqx.nn.MLP(4, 2, 8, 1, key=getkey()))
+    grads = eqx.filter_grad(lambda m: jnp.sum(m(jnp.ones(4))))(m)
+    _, grads = fp8ax.partition_for_grad_overwrite(grads)
+    with pytest.raises(ValueError, match=r"`overwrite` is None, but the model has FP8 layers \(.layers\[0\]"
+                                         r".dot_general.*fp8ax.partition_for_grad_overwrite"):
+        fp8ax.apply_updates(m, grads, None)
+    # A model without FP8 layers: None is fine and means "no state", as eqx.apply_updates.
+    plain = eqx.nn.MLP(4, 2, 8, 1, key=getkey())
+    updates = jax.tree.map(lambda x: 0.5 * x, eqx.filter(plain, eqx.is_inexact_array))
+    got = fp8ax.apply_updates(plain, updates, None)
+    want = eqx.apply_updates(plain, updates)
+    for a, b in zip(jax.tree.leaves(eqx.filter(got, eqx.is_array)), jax.tree.leaves(eqx.filter(want, eqx.is_array)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

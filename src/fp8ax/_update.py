@@ -59,7 +59,8 @@ def apply_updates(model: T, updates: T, overwrite: T) -> T:
     - `updates`: the optimiser's updates for the ordinary parameters (the second output of
       [`fp8ax.partition_for_grad_overwrite`][] after `opt.update`), or `None` to write
       the FP8 state only.
-    - `overwrite`: the first output of [`fp8ax.partition_for_grad_overwrite`][].
+    - `overwrite`: the first output of [`fp8ax.partition_for_grad_overwrite`][]; `None`
+      only for a model without FP8 layers.
 
     **Returns:**
 
@@ -67,12 +68,23 @@ def apply_updates(model: T, updates: T, overwrite: T) -> T:
 
     **Raises:**
 
-    `ValueError` if `overwrite` holds values for ordinary parameters (the gradient tree was
+    `ValueError` if `overwrite` is `None` for a model with FP8 layers, if `overwrite`
+    holds values for ordinary parameters (the gradient tree was
     passed as `overwrite`, which would replace weights by their gradients), or if
     `updates` holds values for FP8 state (the gradients went to the optimiser without
     being partitioned, which would treat the new state as a gradient).
     """
 
+    if overwrite is None:
+        fp8 = [jtu.keystr(path) for path, x in jtu.tree_leaves_with_path(model, is_leaf=_is_owg) if _is_owg(x)]
+        if fp8:
+            raise ValueError(
+                f"`overwrite` is None, but the model has FP8 layers ({', '.join(fp8[:3])}"
+                f"{', ...' if len(fp8) > 3 else ''}) whose new state it must carry. Pass the first output of "
+                "`overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)` (and give `grads` to the optimiser). "
+                "A model without FP8 layers can use `eqx.apply_updates`."
+            )
+        overwrite = jtu.tree_map(lambda _: None, model)
     if updates is None:
         updates = jtu.tree_map(lambda _: None, model, is_leaf=_is_owg)
 
