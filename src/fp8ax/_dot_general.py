@@ -1,3 +1,4 @@
+import dataclasses
 import functools
 from collections.abc import Sequence
 
@@ -16,10 +17,8 @@ from ._recipes import AbstractScalingRecipe
 from ._settings import GemmSettings, Mode
 from ._state import OverwriteWithGradient, ScalingState
 
-_SETTINGS_FIELDS = (
-    "recipe", "mode", "compute_dtype", "fwd_precision", "dlhs_precision", "drhs_precision", "lhs_recipe",
-    "rhs_recipe", "grad_recipe", "high_precision_gemms", "fp8_all_gather_axes",
-)
+# The names of GemmSettings' fields, read through the module and the config.
+_SETTINGS_FIELDS = tuple(f.name for f in dataclasses.fields(GemmSettings))
 
 
 class Fp8DotGeneral(OverwriteWithGradient):

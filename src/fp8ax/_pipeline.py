@@ -150,7 +150,7 @@ def _ndim(res) -> int:
     return res.values.ndim if isinstance(res, QuantizedArray) else res.ndim
 
 
-def _states(call: Call, raw) -> dict:
+def _states(raw) -> dict:
     if not raw:
         return dict.fromkeys(ROLES)
     f32 = [as_f32(v) for v in raw]
@@ -167,7 +167,7 @@ def quantized_dot(call: Call, lhs, rhs, *state) -> Array:
 
 def _fwd(call: Call, lhs, rhs, *raw):
     st = call.settings
-    states = _states(call, raw)
+    states = _states(raw)
     (lc, rc), _ = call.dims
     ql = qr = new_l = new_r = None
     if "fwd" not in st.high_precision_gemms:
