@@ -204,7 +204,7 @@ ALL = [fp8ax.CurrentScaling(), fp8ax.CurrentScaling("row", True), fp8ax.MXScalin
 
 
 @pytest.mark.parametrize("recipe", ALL, ids=lambda r: repr(r).split("(")[0])
-def test_recipes_under_transforms(recipe, getkey):
+def test_recipes_under_transforms(recipe, getkey, monkeypatch):
     # jit, grad, vmap and scan, each against the same computation without the
     # transform (bit for bit: the same ops on the same values).
     x = jax.random.normal(getkey(), (4, 16))
@@ -218,7 +218,11 @@ def test_recipes_under_transforms(recipe, getkey):
     np.testing.assert_array_equal(np.asarray(ys[1]), np.asarray(call(2 * x)))
     yv = jax.jit(jax.vmap(lambda xi: dg(xi, w, DIMS)))(xs)
     np.testing.assert_array_equal(np.asarray(yv[2]), np.asarray(call(-x)))
-    g = jax.jit(jax.grad(lambda w: jnp.sum(jax.vmap(lambda xi: dg(xi, w, DIMS))(xs) ** 2)))(w)
+    # Per-example scales: the weight gradient is one GEMM per example, and fp8ax says so
+    # (tests/test_per_example.py).
+    monkeypatch.setattr(fp8ax._pipeline, "_WARNED", set())
+    with pytest.warns(UserWarning, match="per example under `jax.vmap`"):
+        g = jax.jit(jax.grad(lambda w: jnp.sum(jax.vmap(lambda xi: dg(xi, w, DIMS))(xs) ** 2)))(w)
     assert g.shape == w.shape and bool(jnp.all(jnp.isfinite(g)))
 
 

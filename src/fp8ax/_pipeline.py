@@ -16,6 +16,7 @@
 # TransformerEngine and torchao do), from the high-precision residual.
 
 import functools
+import warnings
 from typing import NamedTuple
 
 import haliax as hax
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_batching import custom_vmap
 from jaxtyping import Array
 
 from ._current import content_key
@@ -184,6 +186,111 @@ def _fwd(call: Call, lhs, rhs, *raw):
 
 
 def _bwd(call: Call, residuals, g):
+    return _batchable_bwd(call)(residuals, g)
+
+
+@functools.cache
+def _batchable_bwd(call: Call):
+    """The backward pass of `call`, with a `vmap` rule for per-example calls.
+
+    `jax.vmap` of a custom VJP vmaps its backward pass. For a per-example layer (inputs
+    mapped, weight and state not: `jax.vmap(eqx.nn.Linear(...))`) that computes one
+    weight gradient per example, an outer product each, and sums them: B GEMMs of rank 1
+    instead of one. When every scale the backward pass quantises with is shared by the
+    examples (it comes from the state, or the operand stays in high precision), the
+    mapped axis is one more free axis of the lhs, so the rule folds it in and runs the
+    backward pass of that one bigger GEMM: the same quantised values, one weight
+    gradient GEMM that contracts over the examples too. Otherwise (per-example scales:
+    current scaling, MX, int8) it vmaps the backward pass as JAX would.
+    """
+
+    @custom_vmap
+    def bwd(residuals, g):
+        return _bwd_impl(call, residuals, g)
+
+    @bwd.def_vmap
+    def rule(axis_size, in_batched, residuals, g):
+        (l_b, r_b, new_l_b, new_r_b, g_state_b), g_b = in_batched
+        state_b = any(jax.tree.leaves((new_l_b, new_r_b, g_state_b)))
+        if _foldable(call, residuals[0], l_b, r_b, state_b, g_b):
+            return _folded_bwd(call, residuals, g)
+        if _per_example(residuals[0], l_b, r_b, state_b, g_b):
+            _warn_per_example(call)
+        return _vmapped_bwd(call, axis_size, in_batched, residuals, g, state_b)
+
+    return bwd
+
+
+def _shared_in_bwd(call: Call, role: str, res, res_batched) -> bool:
+    """Whether every backward GEMM that reads operand `role` quantises it with a scale
+    the examples share (or not at all)."""
+    hp = call.settings.high_precision_gemms
+    recipe = call.settings.operand_recipe(role)
+    if recipe is None or {"lhs": {"drhs"}, "grad": {"dlhs", "drhs"}}[role] <= set(hp):
+        return True
+    if role == "grad":  # a state-derived scale, one tensor-wise quantisation for both GEMMs
+        return recipe.stateful and recipe.scale_layout == "tensor"
+    return isinstance(res, QuantizedArray) and not res_batched.scale  # the forward's FP8 copy
+
+
+def _per_example(res_l, l_b, r_b, state_b: bool, g_b: bool) -> bool:
+    """Per-example lhs and gradient, one weight and one state for all examples."""
+    lhs_b = l_b.values if isinstance(res_l, QuantizedArray) else l_b
+    return bool(lhs_b and g_b and not state_b and not any(jax.tree.leaves(r_b)))
+
+
+def _foldable(call: Call, res_l, l_b, r_b, state_b: bool, g_b: bool) -> bool:
+    """Per-example calls whose backward scales the examples share."""
+    return (
+        _per_example(res_l, l_b, r_b, state_b, g_b)
+        and _shared_in_bwd(call, "lhs", res_l, l_b)
+        and _shared_in_bwd(call, "grad", None, None)
+    )
+
+
+_WARNED: set = set()
+
+
+def _warn_per_example(call: Call):
+    recipes = tuple(repr(call.settings.operand_recipe(r)) for r in ROLES)
+    if recipes in _WARNED:
+        return
+    _WARNED.add(recipes)
+    warnings.warn(
+        f"fp8ax: a layer with per-example scales ({recipes[0]}) is called per example under "
+        "`jax.vmap`, so each example is quantised with its own scale, and its weight gradient "
+        "is one GEMM per example (an outer product each), summed: much slower than one GEMM. "
+        "Call the layer on the whole batch, or use a recipe whose scales the examples share "
+        "(`fp8ax.DelayedScaling`, the default), which fp8ax runs as one batched GEMM. "
+        "(This warning is shown once per recipe.)",
+        stacklevel=2,
+    )
+
+
+def _folded_bwd(call: Call, residuals, g):
+    """The per-example axis (0 in `residuals[0]` and `g`) folded into the GEMM as the
+    lhs's first free axis."""
+    (lc, rc), (lb, rb) = call.dims
+    dims = ((tuple(a + 1 for a in lc), rc), (tuple(a + 1 for a in lb), rb))
+    res_l, *rest = residuals
+    # In the output, batch dimensions come first, then the lhs's free ones in order.
+    g = jnp.moveaxis(g, 0, len(lb))
+    out = _batchable_bwd(call._replace(dims=dims))((res_l, *rest), g)
+    return out, (True, *(False for _ in out[1:]))
+
+
+def _vmapped_bwd(call: Call, axis_size, in_batched, residuals, g, state_b: bool):
+    res_axes, g_axis = jax.tree.map(lambda b: 0 if b else None, in_batched)
+    n_out = 2 + (6 if call.state_is_max else 0)
+    # The state's new value is one merged observation (unbatched) unless the state itself
+    # is mapped; declaring it so makes a mistake an error instead of a sum over examples.
+    out_axes = (0, 0, *(0 if state_b else None for _ in range(n_out - 2)))
+    out = jax.vmap(functools.partial(_bwd_impl, call), in_axes=(res_axes, g_axis), out_axes=out_axes,
+                   axis_size=axis_size)(residuals, g)
+    return out, tuple(a == 0 for a in out_axes)
+
+
+def _bwd_impl(call: Call, residuals, g):
     st = call.settings
     res_l, res_r, new_l, new_r, g_state = residuals
     (_, _), (lb, rb) = call.dims
