@@ -104,6 +104,10 @@ DELAYED, CALIBRATING = 0, 1
 _FP8 = {np.dtype(t) for t in (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz)}
 
 
+def _raises(eqn) -> bool:
+    return any(e.primitive.name == "pure_callback" for b in eqn.params["branches"] for e in b.jaxpr.eqns)
+
+
 class _Walk:
     """Evaluates a jaxpr equation by equation (so each `cond` takes the branch the data
     picks) and follows data flow: which values depend on a `reduce_max` of an `abs`, i.e.
@@ -136,7 +140,9 @@ class _Walk:
             sub = next((eqn.params[k] for k in ("jaxpr", "call_jaxpr", "call") if k in eqn.params), None)
             if name == "cond":
                 index = int(vals[0])
-                if eqn.params.get("branches_platforms") is None:  # not `lax.platform_dependent`
+                # Not `lax.platform_dependent`, nor an `eqx.error_if` check (a branch that
+                # calls back to the host to raise).
+                if eqn.params.get("branches_platforms") is None and not _raises(eqn):
                     self.branches.append(index)
                 branch = eqn.params["branches"][index]
                 outs = self.run(branch.jaxpr, branch.consts, vals[1:], deps_in[1:], abs_in[1:])

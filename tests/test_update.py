@@ -195,3 +195,77 @@ def test_apply_updates_with_overwrite_none(getkey):
     want = eqx.apply_updates(plain, updates)
     for a, b in zip(jax.tree.leaves(eqx.filter(got, eqx.is_array)), jax.tree.leaves(eqx.filter(want, eqx.is_array)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# `eqx.apply_updates` on the raw gradient: the state goes through the optimiser.
+
+
+def _eqx_flow(getkey, recipe=None):
+    model = fp8ax.fp8_linear_layers(eqx.nn.MLP(8, 4, 16, 1, key=getkey()), fp8ax.Fp8Config(recipe=recipe))
+    x = jax.random.normal(getkey(), (32, 8))
+    y = jax.random.normal(getkey(), (32, 4))
+    opt = optax.adam(1e-2)
+
+    def loss(m):
+        return jnp.mean((jax.vmap(m)(x) - y) ** 2)
+
+    @eqx.filter_jit
+    def wrong_step(m, s):  # the mistake: the state's gradient treated as a gradient
+        grads = eqx.filter_grad(loss)(m)
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes its int step count with floats
+            updates, s = opt.update(grads, s)
+        return eqx.apply_updates(m, updates), s
+
+    return model, opt, loss, wrong_step
+
+
+def test_raw_gradient_through_the_optimiser_is_an_error(getkey):
+    model, opt, loss, wrong_step = _eqx_flow(getkey)
+    state = opt.init(eqx.filter(model, eqx.is_inexact_array))
+    model, state = wrong_step(model, state)  # the first call cannot know
+    hist = np.asarray(model.layers[0].dot_general.lhs.amax_history)
+    assert (hist < 0).any()  # what the mistake does: Adam's step made the amax history negative
+    with pytest.raises(Exception, match=r"negative or non-finite.*fp8ax\.apply_updates"):
+        jax.block_until_ready(wrong_step(model, state))
+    with pytest.raises(Exception, match=r"fp8ax\.partition_for_grad_overwrite"):
+        jax.block_until_ready(eqx.filter_jit(loss)(model))  # any later call, forward only too
+
+
+@pytest.mark.parametrize("bad", ["nan", "negative-scale", "zero-scale", "inf-history"])
+def test_corrupt_state_values_are_an_error(bad, getkey):
+    dg = fp8ax.Fp8DotGeneral.init()
+    x, w = jax.random.normal(getkey(), (4, 8)), jax.random.normal(getkey(), (8, 3))
+    dims = (((1,), (0,)), ((), ()))
+    dg(x, w, dims)  # a fresh state is fine
+    where, value = {
+        "nan": (lambda d: d.rhs.amax_history, jnp.full((16,), jnp.nan)),
+        "negative-scale": (lambda d: d.lhs.scale, jnp.float32(-0.5)),
+        "zero-scale": (lambda d: d.grad.scale, jnp.float32(0.0)),
+        "inf-history": (lambda d: d.lhs.amax_history, jnp.zeros(16).at[3].set(jnp.inf)),
+    }[bad]
+    broken = eqx.tree_at(where, dg, value)
+    # The gradient's state is read in the backward pass.
+    call = (lambda d: jax.grad(lambda x: jnp.sum(d(x, w, dims)))(x)) if bad == "zero-scale" else (lambda d: d(x, w, dims))
+    with pytest.raises(Exception, match="fp8ax.apply_updates"):
+        jax.block_until_ready(eqx.filter_jit(call)(broken))
+
+
+def test_the_check_passes_every_state_fp8ax_writes(getkey):
+    # Fifteen correct steps, one of them on an all-zero batch (an invalid observation that
+    # leaves the state as it was), raise nothing, and the histories fill.
+    model, opt, loss, _ = _eqx_flow(getkey)
+    _, trainable = fp8ax.partition_for_grad_overwrite(model)
+    state = opt.init(eqx.filter(trainable, eqx.is_inexact_array))
+
+    @eqx.filter_jit
+    def step(m, s, scale):
+        grads = eqx.filter_grad(lambda m: loss(m) * scale)(m)
+        overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)
+        with jax.numpy_dtype_promotion("standard"):
+            updates, s = opt.update(grads, s)
+        return fp8ax.apply_updates(m, updates, overwrite), s
+
+    for i in range(15):
+        model, state = step(model, state, jnp.float32(0.0 if i == 3 else 1.0))
+    hist = np.asarray(model.layers[0].dot_general.grad.amax_history)
+    assert (hist >= 0).all() and (hist > 0).sum() == 14

@@ -112,6 +112,22 @@ class AbstractScalingRecipe(eqx.Module):
         raise NotImplementedError
 
 
+_CORRUPT_STATE = (
+    "fp8ax: an FP8 scaling state (scale, amax history) holds negative or non-finite values: "
+    "it went through an optimiser as if it were a gradient and was added to by "
+    "`eqx.apply_updates`. The gradient of an FP8 layer's state is its new value, which "
+    "must replace the old one: split it off with "
+    "`overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)`, give the optimiser "
+    "`grads`, and apply both with `model = fp8ax.apply_updates(model, updates, overwrite)`."
+)
+
+
+def _corrupt(scale, history):
+    """Whether a state holds what no fp8ax update writes: a negative or non-finite amax,
+    or a scale that is not positive and finite."""
+    return ~(lax.is_finite(scale) & (scale > 0) & jnp.all(lax.is_finite(history) & (history >= 0), axis=-1))
+
+
 class DelayedScaling(AbstractScalingRecipe):
     """Per-tensor delayed scaling, with the semantics of TransformerEngine's `DelayedScaling`.
 
@@ -276,13 +292,16 @@ class DelayedScaling(AbstractScalingRecipe):
         # History entries are finite (only valid amaxes are recorded).
         used = self._checked(self._past_amax(history, longest), scale, fp8_max, finite_amax=True)
         if self.calibrate_first_call:
-            used = lax.cond(
-                longest == 0,
-                lambda x, _: self._checked(merge(_formats.amax(x)), scale, fp8_max),
-                lambda _, delayed: delayed,
-                x,
-                used,
-            )
+            # A state that went through an optimiser (`eqx.apply_updates` on the raw
+            # gradient) holds negative or non-finite values; it takes the rarely-run
+            # branch too, which raises. The check is a few scalar ops on the state.
+            corrupt = _corrupt(scale, history)
+
+            def calibrating(x, _):
+                amax = eqx.error_if(_formats.amax(x), corrupt, _CORRUPT_STATE)
+                return self._checked(merge(amax), scale, fp8_max)
+
+            used = lax.cond((longest == 0) | corrupt, calibrating, lambda _, delayed: delayed, x, used)
             used = merge(used)  # the calibrating branch's scale, batched like its tensor under vmap
         values = _formats.quantize(x, used, dtype)
         return QuantizedArray(values, used), self.next_state(used, history, merge(_formats.amax(x)))
