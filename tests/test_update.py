@@ -1,5 +1,7 @@
 """partition_for_grad_overwrite, apply_updates, cast_floating, and interop with Haliax's helpers."""
 
+import warnings
+
 import equinox as eqx
 import haliax as hax
 import haliax.quantization as haxq
@@ -269,3 +271,33 @@ def test_the_check_passes_every_state_fp8ax_writes(getkey):
         model, state = step(model, state, jnp.float32(0.0 if i == 3 else 1.0))
     hist = np.asarray(model.layers[0].dot_general.grad.amax_history)
     assert (hist >= 0).all() and (hist > 0).sum() == 14
+
+
+def test_a_state_never_written_warns_after_many_calls(getkey, monkeypatch):
+    # The other `eqx.apply_updates` mistake: the new state is split off, then dropped. Every
+    # call then finds an empty history and calibrates; after STALE_CALLS calls of one
+    # compiled program fp8ax warns, once.
+    monkeypatch.setattr(fp8ax._recipes._StaleWatch, "warned", False)
+    model, opt, loss, _ = _eqx_flow(getkey)
+    _, trainable = fp8ax.partition_for_grad_overwrite(model)
+    state = opt.init(eqx.filter(trainable, eqx.is_inexact_array))
+
+    @eqx.filter_jit
+    def dropping_step(m, s):
+        grads = eqx.filter_grad(loss)(m)
+        _, grads = fp8ax.partition_for_grad_overwrite(grads)
+        with jax.numpy_dtype_promotion("standard"):
+            updates, s = opt.update(grads, s)
+        return eqx.apply_updates(m, updates), s
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(fp8ax._recipes.STALE_CALLS - 1):
+            model, state = dropping_step(model, state)
+        jax.effects_barrier()
+        assert not caught  # 99 calls: nothing yet
+        for _ in range(3):
+            model, state = dropping_step(model, state)
+        jax.effects_barrier()
+    assert len(caught) == 1 and "fp8ax.apply_updates" in str(caught[0].message)
+    assert float(jnp.max(model.layers[0].dot_general.lhs.amax_history)) == 0.0  # what the warning is about

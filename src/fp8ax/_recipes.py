@@ -5,10 +5,12 @@
 # into a `QuantizedArray` whose scale has a declared layout. A stateful recipe reads its
 # state and returns the new one; the GEMM pipeline (`_pipeline.py`) is the same for all.
 
+import warnings
 from collections.abc import Callable
 from typing import Any, Literal
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -119,6 +121,39 @@ _CORRUPT_STATE = (
     "must replace the old one: split it off with "
     "`overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)`, give the optimiser "
     "`grads`, and apply both with `model = fp8ax.apply_updates(model, updates, overwrite)`."
+)
+
+
+STALE_CALLS = 100
+
+
+class _StaleWatch:
+    """Counts, on the host, how often one traced call's calibrating branch runs. It runs
+    once per fresh layer; every call runs it when the new state is never written (it is
+    split off by `partition_for_grad_overwrite`, then dropped by `eqx.apply_updates`).
+    At `STALE_CALLS` runs it warns, once per process: a warning, not an error, because
+    training that many fresh models with one compiled step looks the same."""
+
+    warned = False
+
+    def __init__(self):
+        self.calls = 0
+
+    def tick(self):
+        self.calls += 1
+        if self.calls == STALE_CALLS and not _StaleWatch.warned:
+            _StaleWatch.warned = True
+            warnings.warn(_STALE_STATE, stacklevel=2)
+
+
+_STALE_STATE = (
+    f"fp8ax: the same FP8 layer has found its amax history empty on {STALE_CALLS} calls of one "
+    "compiled program, so it calibrates on every call and its state is never written. The "
+    "gradient of an FP8 layer's state is its new value: split it off with "
+    "`overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)` and write it with "
+    "`model = fp8ax.apply_updates(model, updates, overwrite)` (`eqx.apply_updates` leaves "
+    f"the state as it was). If you trained {STALE_CALLS} fresh models with one compiled step, "
+    "ignore this. (Shown once per process.)"
 )
 
 
@@ -297,7 +332,10 @@ class DelayedScaling(AbstractScalingRecipe):
             # branch too, which raises. The check is a few scalar ops on the state.
             corrupt = _corrupt(scale, history)
 
+            watch = _StaleWatch()
+
             def calibrating(x, _):
+                jax.debug.callback(watch.tick)  # on the host, when this branch runs
                 amax = eqx.error_if(_formats.amax(x), corrupt, _CORRUPT_STATE)
                 return self._checked(merge(amax), scale, fp8_max)
 
