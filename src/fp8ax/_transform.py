@@ -178,7 +178,7 @@ def decide(path: str, layer: Any, config: Fp8Config) -> Decision:
         return Decision(
             path, "skip", f"{side} size {min(fin, fout)} < `min_features` ({config.min_features})", True
         )
-    return Decision(path, "convert", "selected" if config.targets is not None else "every linear layer", True)
+    return Decision(path, "convert", "selected by `targets`" if config.targets is not None else "every linear layer", True)
 
 
 def _converted(node, config: Fp8Config):
