@@ -65,6 +65,14 @@ class GemmReport:
       compiled for `backend` (dots and GEMM custom calls), and how many of them run on FP8
       operands. On a GPU with FP8 support these are cuBLASLt FP8 GEMMs; on CPU XLA
       upcasts FP8 operands before the dot, so `compiled_fp8` is 0 there.
+    - `lowered` / `compiled`: those matmuls one by one, each a `Gemm` with its operand
+      and result types (`lhs`, `rhs`, `out`), `fp8`, `fp8ax` (issued by an fp8ax layer:
+      its forward or one of its gradient GEMMs), JAX's `name` for it, and the `location`
+      (`"file:line"`) and `traceback` of the code that issued it. A compiled matmul's
+      location is that of the lowered one with the same name.
+
+    `print(report)` gives the counts, split into fp8ax's GEMMs and the others, and lists
+    the lowered matmuls without FP8 operands with their shapes and locations.
     """
 
     backend: str
