@@ -148,8 +148,9 @@ def _grouped(gemms: list[Gemm]) -> list[tuple[Gemm, int]]:
     return [(g, n) for g, n in counts.values()]
 
 
-def _short_name(name: str) -> str:
-    return re.sub(r"^jit\([^/]*\)/", "", name)
+def _short_name(name: str, width: int = 72) -> str:
+    name = re.sub(r"^jit\([^/]*\)/", "", name)
+    return name if len(name) <= width else name[: width - 3] + "..."
 
 
 def _caller(frames: tuple[str, ...], location: str | None) -> str | None:

@@ -34,7 +34,7 @@ _NOT_CONVERTED: tuple[tuple[type, str], ...] = (
     (eqx.nn.Embedding, "a lookup (gather), not a matmul"),
     (hnn.Conv, "a convolution: fp8ax converts linear layers only"),
     (hnn.ConvTranspose, "a transposed convolution: fp8ax converts linear layers only"),
-    (hnn.Embedding, "a lookup, not a matmul; its `unembed` (a tied output head) stays in high precision"),
+    (hnn.Embedding, "a lookup, not a matmul (its `unembed`, as a tied output head, stays in high precision)"),
     (hnn.MoELinear, "a mixture-of-experts linear layer: not converted"),
 )
 _ATTENTION = (
