@@ -262,13 +262,15 @@ def scaling_stats(model: Any, fn: Callable | None = None, *args, **kwargs) -> di
     layers = _layers(model)
     out: dict[str, float] = {}
     for name, dg, _ in layers:
+        arrays = {}
         for role in ROLES:
             state = getattr(dg, role)
-            if state is None:
-                continue
-            scale = _concrete(state.scale, "scaling_stats")
-            history = _concrete(state.amax_history, "scaling_stats")
-            for index in np.ndindex(*scale.shape):
+            if state is not None:
+                arrays[role] = (_concrete(state.scale, "scaling_stats"), _concrete(state.amax_history, "scaling_stats"))
+        if not arrays:
+            continue
+        for index in np.ndindex(*arrays["lhs"][0].shape):  # one entry per stacked layer
+            for role, (scale, history) in arrays.items():
                 key = f"{name}{_index_str(index)}/{role}"
                 out[f"{key}/scale"] = float(scale[index])
                 out[f"{key}/amax"] = float(history[index][0])
