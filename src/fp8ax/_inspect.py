@@ -1,5 +1,4 @@
 import dataclasses
-import functools
 import pathlib
 import re
 from collections.abc import Callable
@@ -221,10 +220,15 @@ class _Locations:
 
     def __init__(self, text: str):
         self.defs = dict(_LOC_DEF.findall(text))
+        self.memo: dict[str, tuple[str, tuple[str, ...]]] = {}
 
-    @functools.lru_cache(maxsize=None)  # noqa: B019 (one instance per report)
     def resolve(self, loc: str) -> tuple[str, tuple[str, ...]]:
         loc = loc.strip()
+        if loc not in self.memo:
+            self.memo[loc] = self._resolve(loc)
+        return self.memo[loc]
+
+    def _resolve(self, loc: str) -> tuple[str, tuple[str, ...]]:
         if loc.startswith("#loc"):
             body = self.defs.get(loc)
             return self.resolve(body) if body is not None else ("", ())
