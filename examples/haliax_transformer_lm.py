@@ -19,9 +19,13 @@ same optimiser (Adam). They differ only in the matmuls of the linear layers insi
   as FP8 GEMMs (E4M3 forward, E5M2 gradients, delayed scaling). The embeddings, the
   attention scores and the output head stay in bf16, as is usual for a language model.
 
-The script prints the training loss of both runs side by side, the held-out loss at the end,
-and saves a plot of the two loss curves (`--plot`, needs matplotlib: `pip install -e ".[plot]"`).
-On a CPU, FP8 is emulated: you see FP8 numerics, not FP8 speed.
+The script prints which layers were converted (`fp8ax.conversion_report`), the training loss
+of both runs side by side, the held-out loss at the end, the FP8 scaling statistics of every
+layer on a held-out batch (`fp8ax.scaling_stats`: the flat dict you would log to W&B or
+TensorBoard) and which matmuls of the FP8 training step are FP8 (`fp8ax.gemm_report`). It
+saves a plot of the two loss curves (`--plot`) and one of the amax histories of the FP8
+layers (`--amax-plot`, `fp8ax.plot_amax_history`); both need matplotlib
+(`pip install -e ".[plot]"`). On a CPU, FP8 is emulated: you see FP8 numerics, not FP8 speed.
 """
 
 import argparse
@@ -181,6 +185,7 @@ def main(
     seed: int = 0,
     plot: str | None = "lm_loss.png",
     every: int | None = None,
+    amax_plot: str | None = "lm_amax.png",
 ):
     if embed % heads:
         raise ValueError(f"`--embed` ({embed}) must be a multiple of `--heads` ({heads}).")
@@ -221,7 +226,7 @@ def main(
         f"{len(text):,} characters ({len(chars)} distinct), {layers} layers x {heads} heads, embed {embed}, "
         f"context {seq}, batch {batch}, {n_params:,} parameters, Adam lr {lr}, {steps} steps"
     )
-    print(f"FP8 layers: blocks.stacked.{{qkv_proj, o_proj, up_proj, down_proj}} x {layers} layers\n")
+    print(fp8ax.conversion_report(model, config), end="\n\n")
 
     get_batch = jax.jit(windows, static_argnums=(2, 3))
     starts = jax.random.randint(k_data, (steps, batch), 0, len(train_ids) - seq - 1)
@@ -253,8 +258,43 @@ def main(
     print(f"held-out loss:            bf16 {held_out['bf16']:.4f}, fp8 {held_out['fp8']:.4f} ({gap:+.1f}%)")
     print(f"training loop: {elapsed:.1f} s for both runs")
 
+    # --8<-- [start:stats]
+    # Per-layer scaling statistics on a held-out batch: scale, newest and largest amax of
+    # each tensor, and the fractions of lhs/rhs that saturate or flush to zero. A flat
+    # {name: float} dict: `wandb.log(stats, step=i)` or `writer.add_scalar(k, v, i)` as it is.
+    stats = fp8ax.scaling_stats(models["fp8"], evaluate, *get_batch(val_ids, val_starts[0], Batch, Pos))
+    # --8<-- [end:stats]
+    print_stats(stats)
+
+    report = fp8ax.gemm_report(step, models["fp8"], opt_states["fp8"], inputs, targets)
+    print(f"\n{report}")
+    print(f"every GEMM of the converted layers FP8 in the lowered program: {report.lowered_converted_all_fp8}")
+
     if plot:
         save_plot(plot, list(range(1, steps + 1)), losses, held_out)
+    if amax_plot:
+        try:
+            # --8<-- [start:plot]
+            fp8ax.plot_amax_history(models["fp8"], amax_plot, title=f"amax histories after {steps} steps")
+            # --8<-- [end:plot]
+            print(f"amax histories saved to {amax_plot}")
+        except ImportError as e:
+            print(f"{e} No amax plot written.")
+
+
+def print_stats(stats):
+    """The `scaling_stats` dict as a table: one row per layer and tensor."""
+    rows = {}
+    for key, value in stats.items():
+        layer, tensor, name = key.rsplit("/", 2)
+        rows.setdefault((layer, tensor), {})[name] = value
+    print("\nFP8 scaling on a held-out batch (fp8ax.scaling_stats):")
+    width = max(len(layer) for layer, _ in rows)
+    print(f"  {'layer':<{width}}  tensor  {'scale':>9}  {'amax':>9}  {'hist max':>9}  {'saturated':>9}  {'underflow':>9}")
+    for (layer, tensor), v in rows.items():
+        cells = [f"{v[n]:9.3g}" if n in v else f"{'':>9}" for n in ("scale", "amax", "amax_history_max")]
+        cells += [f"{v[n]:9.2%}" if n in v else f"{'':>9}" for n in ("saturation", "underflow")]
+        print(f"  {layer:<{width}}  {tensor:<6}  " + "  ".join(cells))
 
 
 if __name__ == "__main__":
@@ -271,6 +311,10 @@ if __name__ == "__main__":
     parser.add_argument(
         "--plot", default="lm_loss.png", help="where to save the loss curves (default lm_loss.png); '' for no plot"
     )
+    parser.add_argument(
+        "--amax-plot", default="lm_amax.png",
+        help="where to save the amax histories of the FP8 layers (default lm_amax.png); '' for no plot",
+    )
     args = parser.parse_args()
     main(
         steps=args.steps,
@@ -283,4 +327,5 @@ if __name__ == "__main__":
         seed=args.seed,
         plot=args.plot,
         every=args.every,
+        amax_plot=args.amax_plot,
     )

@@ -26,7 +26,7 @@ LAYERS = [
     {"_recipes", "_current"},
     {"_settings", "_pipeline"},
     {"_dot_general", "_config"},
-    {"_transform", "_update", "_accumulate", "_distributed", "_cast", "_inspect", "_calibrate"},
+    {"_transform", "_update", "_accumulate", "_distributed", "_cast", "_inspect", "_calibrate", "_report", "_stats"},
 ]
 
 

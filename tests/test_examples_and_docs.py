@@ -80,9 +80,25 @@ def test_microbatched_example_runs(tmp_path):
 @pytest.mark.needs_hax_dot
 def test_lm_example_prints_the_loss_table_and_saves_the_plot(tmp_path):
     plot = tmp_path / "curves" / "loss.png"
+    amax_plot = tmp_path / "curves" / "amax.png"
     tiny = ["--layers", "1", "--seq", "16", "--batch", "4", "--embed", "32"]
-    out = _run_example(ROOT / "examples" / "haliax_transformer_lm.py", *tiny, "--plot", str(plot), cwd=tmp_path)
+    out = _run_example(ROOT / "examples" / "haliax_transformer_lm.py", *tiny, "--plot", str(plot),
+                       "--amax-plot", str(amax_plot), cwd=tmp_path)
     lines = out.splitlines()
+    # The conversion report: the four block projections to FP8, the head left out.
+    assert "4 of 5 linear layers converted to FP8" in out, out
+    assert re.search(r"^  head +hax\.nn\.Linear +32 +61 +skipped +not selected by `targets`$", out, re.M), out
+    # The scaling statistics: a row per FP8 layer and tensor, percentages for lhs and rhs.
+    for layer in ("qkv_proj", "o_proj", "up_proj", "down_proj"):
+        row = re.search(rf"^  blocks\.stacked\.{layer}\[0\] +lhs +(\S+) +(\S+) +(\S+) +([\d.]+)% +([\d.]+)%$", out, re.M)
+        assert row, (layer, out)
+        scale, amax, hist_max = (float(v) for v in row.groups()[:3])
+        assert 0 < scale and 0 < amax <= hist_max, row.group(0)
+    # gemm_report: every GEMM of the converted layers is FP8 in the lowered program, the
+    # attention matmuls are listed with their source.
+    assert "every GEMM of the converted layers FP8 in the lowered program: True" in out, out
+    assert "haliax/nn/attention.py:" in out, out
+    assert amax_plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     header = next(i for i, line in enumerate(lines) if line.split() == ["step", "bf16", "loss", "fp8", "loss"])
     rows = [line.split() for line in lines[header + 1 : header + 4]]
     assert [int(r[0]) for r in rows] == [1, 2, 3], out

@@ -46,3 +46,91 @@ def test_report_needs_a_callable():
 
     with pytest.raises(TypeError, match="`fn` must be a callable"):
         fp8ax.gemm_report("step")
+
+
+def test_report_on_a_model_with_attention(getkey):
+    model = fp8ax.fp8_linear_layers(eqx.nn.MultiheadAttention(num_heads=2, query_size=16, key=getkey()))
+    x = jax.random.normal(getkey(), (3, 5, 16))  # 3 sequences of 5 tokens
+
+    def loss(m, x):
+        return jnp.sum(jax.vmap(lambda xi: m(xi, xi, xi))(x))
+
+    report = fp8ax.gemm_report(eqx.filter_grad(loss), model, x)
+    # The counts are the entries' counts.
+    assert len(report.lowered) == report.lowered_total and sum(g.fp8 for g in report.lowered) == report.lowered_fp8
+    assert len(report.compiled) == report.compiled_total
+    assert sum(g.fp8 for g in report.compiled) == report.compiled_fp8
+    # Every GEMM of the four converted projections takes FP8 operands ("direct" mode).
+    ours = [g for g in report.lowered if g.fp8ax]
+    assert ours and all(g.fp8 for g in ours) and report.lowered_converted_all_fp8
+    assert all(g.lhs.startswith(("f8e4m3fn[", "f8e5m2[")) for g in ours)
+    assert all("fp8ax.Fp8DotGeneral" in g.name for g in ours)
+    # ... while the attention scores and the weighted sum of the values are not FP8, so
+    # `all_fp8` can never hold for this model; they are listed with shapes and source.
+    others = report.lowered_non_fp8
+    assert others == [g for g in report.lowered if not g.fp8ax] and len(others) >= 2
+    assert not report.all_fp8
+    assert all("MultiheadAttention" in g.name and g.location.split(":")[0].endswith("equinox/nn/_attention.py")
+               for g in others)
+    # Forward: scores (heads, q, k) from q and k (3 sequences x 5 tokens x 2 heads x 8).
+    forward = [g for g in others if not g.name.split("/")[1].startswith("transpose")]
+    assert sorted(g.out for g in forward) == ["f32[3,2,5,5]", "f32[3,2,5,8]"], forward
+    assert {g.lhs for g in forward} >= {"f32[3,5,2,8]"}
+    # The traceback reaches this test: the call of `m` inside `loss`.
+    assert all(any(f.endswith(f"test_inspect.py:{_line_of('m(xi, xi, xi)')}") for f in g.traceback) for g in others)
+    text = str(report)
+    assert f"fp8ax layers {len(ours)}/{len(ours)} FP8" in text and "lowered matmuls without FP8 operands:" in text
+    assert "equinox/nn/_attention.py:" in text and "(from " in text and "test_inspect.py:" in text
+    if jax.default_backend() == "cpu":
+        assert not report.converted_all_fp8 and len(report.non_fp8) == report.compiled_total
+        assert {g.fp8ax for g in report.compiled} == {True, False}
+
+
+def _line_of(snippet: str) -> int:
+    import pathlib
+
+    lines = pathlib.Path(__file__).read_text().splitlines()
+    return next(i for i, line in enumerate(lines, 1) if snippet in line and "_line_of" not in line)
+
+
+def test_report_locates_plain_matmuls():
+    def f(a, b):
+        return jnp.tanh(a @ b)  # the matmul
+
+    r = fp8ax.gemm_report(f, jnp.ones((4, 8)), jnp.ones((8, 2)))
+    (g,) = r.lowered
+    assert (g.lhs, g.rhs, g.out, g.fp8, g.fp8ax) == ("f32[4,8]", "f32[8,2]", "f32[4,2]", False, False)
+    assert g.location.endswith(f"test_inspect.py:{_line_of('# the matmul')}")
+    assert not r.lowered_converted_all_fp8 and not r.converted_all_fp8  # no fp8ax layer at all
+    (c,) = r.compiled
+    assert (c.out, c.fp8ax, c.location) == ("f32[4,2]", False, g.location)
+
+
+@pytest.mark.needs_hax_dot
+def test_report_on_a_haliax_attention_block(getkey):
+    import haliax as hax
+
+    Pos, KPos, Embed, Heads, Head = (hax.Axis("pos", 6), hax.Axis("kpos", 6), hax.Axis("embed", 16),
+                                     hax.Axis("heads", 2), hax.Axis("head", 8))
+
+    class Attn(eqx.Module):
+        q: hax.nn.Linear
+        kv: hax.nn.Linear
+
+        def __call__(self, x):
+            q = self.q(x)
+            kv = self.kv(x).rename({Pos: KPos})
+            return hax.nn.attention.dot_product_attention(KPos, Head, q, kv, kv)
+
+    model = Attn(hax.nn.Linear.init(Embed, (Heads, Head), key=getkey()),
+                 hax.nn.Linear.init(Embed, (Heads, Head), key=getkey()))
+    x = hax.random.normal(getkey(), (Pos, Embed))
+    for mode, lowered_ok in (("direct", True), ("qdq", False)):
+        fp8 = fp8ax.fp8_linear_layers(model, fp8ax.Fp8Config(mode=mode))
+        r = fp8ax.gemm_report(lambda m, x: m(x).array.sum(), fp8, x)
+        assert r.lowered_converted_all_fp8 is lowered_ok, (mode, str(r))
+        ours = [g for g in r.lowered if g.fp8ax]
+        assert len(ours) == 2  # the forward GEMMs of the two projections
+        others = [g for g in r.lowered if not g.fp8ax]
+        assert len(others) == 2 and not any(g.fp8 for g in others)
+        assert all("haliax/nn/attention.py" in g.location for g in others), others

@@ -27,6 +27,8 @@ from ._distributed import pmean_gradients as pmean_gradients
 from ._cast import cast_floating as cast_floating
 from ._calibrate import calibrate as calibrate
 from ._inspect import GemmReport as GemmReport, gemm_report as gemm_report
+from ._report import ConversionReport as ConversionReport, conversion_report as conversion_report
+from ._stats import plot_amax_history as plot_amax_history, scaling_stats as scaling_stats
 
 # modules and state
 from ._dot_general import Fp8DotGeneral as Fp8DotGeneral

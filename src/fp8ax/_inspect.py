@@ -1,7 +1,9 @@
 import dataclasses
+import pathlib
 import re
 from collections.abc import Callable
 
+import equinox as eqx
 import jax
 
 _FP8_TYPE = re.compile(r"f8E\dM\d(?:FNUZ|FN|B11FNUZ)?", re.IGNORECASE)
@@ -9,6 +11,47 @@ _FP8_TYPE = re.compile(r"f8E\dM\d(?:FNUZ|FN|B11FNUZ)?", re.IGNORECASE)
 _SHLO_DOT = re.compile(r"stablehlo\.dot_general[^\n]*?:\s*\(([^)]*)\)\s*->")
 # Optimised HLO: `dot(f8e4m3fn[4,8]{1,0} %a, ...)` or a cuBLAS(Lt) GEMM custom call.
 _HLO_DOT = re.compile(r"=\s*[^\n=]*?\b(dot|custom-call)\(([^)]*)\)([^\n]*)")
+
+# fp8ax's own source files: a matmul traced through them belongs to an fp8ax layer.
+_FP8AX_DIR = str(pathlib.Path(__file__).resolve().parent)
+# The named scope of `Fp8DotGeneral.__call__`, in JAX's name for every op it emits
+# (forward and backward GEMMs alike).
+_FP8AX_SCOPE = "fp8ax.Fp8DotGeneral"
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm:
+    """One matrix multiplication of a [`fp8ax.GemmReport`][].
+
+    - `lhs`, `rhs`, `out`: dtype and shape of the operands and the result, as XLA writes
+      them (`f8e4m3fn[64,128]`, `bf16[8,4,64,64]`); `""` where the compiled program does
+      not say.
+    - `fp8`: whether it takes FP8 operands (the rule of the counts).
+    - `fp8ax`: whether an fp8ax layer ([`fp8ax.Fp8DotGeneral`][]) issued it: its forward
+      GEMM or one of its two gradient GEMMs.
+    - `name`: JAX's name for the op: the transformations and named scopes it was traced
+      under, e.g. `jvp(eqx.nn.MultiheadAttention)/vmap(sd,Sd->sS)/dot_general`.
+    - `location`: `"file:line"` of the code that issued it: the innermost frame outside
+      JAX, fp8ax and the wrappers of Equinox and Haliax that only pass calls on (for an
+      fp8ax GEMM, where the layer was called); None if unknown.
+    - `traceback`: all the frames JAX recorded, innermost first (lowered program only).
+    """
+
+    lhs: str
+    rhs: str
+    out: str
+    fp8: bool
+    fp8ax: bool
+    name: str
+    location: str | None
+    traceback: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        where = _short_path(self.location) if self.location else "unknown location"
+        caller = _caller(self.traceback, self.location)
+        if caller is not None:
+            where += f" (from {caller})"
+        return f"{self.lhs} x {self.rhs} -> {self.out}  {where}  ({_short_name(self.name)})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +64,14 @@ class GemmReport:
       compiled for `backend` (dots and GEMM custom calls), and how many of them run on FP8
       operands. On a GPU with FP8 support these are cuBLASLt FP8 GEMMs; on CPU XLA
       upcasts FP8 operands before the dot, so `compiled_fp8` is 0 there.
+    - `lowered` / `compiled`: those matmuls one by one, each a `Gemm` with its operand
+      and result types (`lhs`, `rhs`, `out`), `fp8`, `fp8ax` (issued by an fp8ax layer:
+      its forward or one of its gradient GEMMs), JAX's `name` for it, and the `location`
+      (`"file:line"`) and `traceback` of the code that issued it. A compiled matmul's
+      location is that of the lowered one with the same name.
+
+    `print(report)` gives the counts, split into fp8ax's GEMMs and the others, and lists
+    the lowered matmuls without FP8 operands with their shapes and locations.
     """
 
     backend: str
@@ -28,11 +79,95 @@ class GemmReport:
     lowered_total: int
     compiled_fp8: int
     compiled_total: int
+    lowered: tuple[Gemm, ...] = dataclasses.field(default=(), repr=False)
+    compiled: tuple[Gemm, ...] = dataclasses.field(default=(), repr=False)
 
     @property
     def all_fp8(self) -> bool:
-        """Whether every compiled matmul runs on FP8 operands."""
+        """Whether every compiled matmul runs on FP8 operands. False for a model with
+        matmuls outside its FP8 layers (attention scores, a head left in bf16); see
+        `converted_all_fp8`."""
         return self.compiled_total > 0 and self.compiled_fp8 == self.compiled_total
+
+    @property
+    def converted_all_fp8(self) -> bool:
+        """Whether every compiled matmul of fp8ax's layers runs on FP8 operands (and
+        there is at least one). Matmuls outside them (attention scores, layers left in
+        high precision on purpose) do not count; they are listed in `non_fp8`. On CPU
+        this is False: XLA:CPU has no FP8 GEMM."""
+        ours = [g for g in self.compiled if g.fp8ax]
+        return bool(ours) and all(g.fp8 for g in ours)
+
+    @property
+    def lowered_converted_all_fp8(self) -> bool:
+        """`converted_all_fp8` for the lowered program: every `dot_general` that fp8ax's
+        layers emit takes FP8 operands. True in `mode="direct"` on any backend; False in
+        `"qdq"` mode, whose lowered GEMMs are high precision until XLA rewrites them."""
+        ours = [g for g in self.lowered if g.fp8ax]
+        return bool(ours) and all(g.fp8 for g in ours)
+
+    @property
+    def non_fp8(self) -> list[Gemm]:
+        """The compiled matmuls that do not run on FP8 operands, with their shapes and
+        source locations (on CPU: all of them)."""
+        return [g for g in self.compiled if not g.fp8]
+
+    @property
+    def lowered_non_fp8(self) -> list[Gemm]:
+        """The `dot_general`s of the lowered program that take no FP8 operand."""
+        return [g for g in self.lowered if not g.fp8]
+
+    def __str__(self) -> str:
+        lines = [
+            f"gemm_report on {self.backend}: lowered {self.lowered_fp8}/{self.lowered_total} dot_generals with FP8 "
+            f"operands; compiled {self.compiled_fp8}/{self.compiled_total} matmuls on FP8 operands"
+        ]
+        for title, gemms in (("lowered", self.lowered), ("compiled", self.compiled)):
+            ours = [g for g in gemms if g.fp8ax]
+            lines.append(
+                f"  {title}: fp8ax layers {sum(g.fp8 for g in ours)}/{len(ours)} FP8; "
+                f"other matmuls {sum(g.fp8 for g in gemms if not g.fp8ax)}/{len(gemms) - len(ours)} FP8"
+            )
+        others = _grouped([g for g in self.lowered if not g.fp8])
+        if others:
+            lines.append("  lowered matmuls without FP8 operands:")
+            lines += [f"    {n} x {g}" if n > 1 else f"    {g}" for g, n in others]
+        if self.backend == "cpu":
+            lines.append("  (XLA:CPU upcasts FP8 before every matmul, so no compiled matmul is FP8 here.)")
+        return "\n".join(lines)
+
+
+def _grouped(gemms: list[Gemm]) -> list[tuple[Gemm, int]]:
+    # The same matmul can appear several times (a layer called twice, each stacked layer
+    # unrolled): listed once, with a count.
+    counts: dict[tuple, list] = {}
+    for g in gemms:
+        key = (g.lhs, g.rhs, g.out, g.location, _short_name(g.name))
+        counts.setdefault(key, [g, 0])[1] += 1
+    return [(g, n) for g, n in counts.values()]
+
+
+def _short_name(name: str, width: int = 72) -> str:
+    name = re.sub(r"^jit\([^/]*\)/", "", name)
+    return name if len(name) <= width else name[: width - 3] + "..."
+
+
+def _caller(frames: tuple[str, ...], location: str | None) -> str | None:
+    """The innermost frame of your own code (not an installed package, not fp8ax), if
+    the location is in a library."""
+    if location is None or not any(m in location for m in ("site-packages/", "dist-packages/")):
+        return None
+    for f in frames:
+        if not any(m in f for m in ("site-packages/", "dist-packages/")) and not _is_fp8ax_frame(f):
+            return f
+    return None
+
+
+def _short_path(location: str) -> str:
+    for marker in ("site-packages/", "dist-packages/"):
+        if marker in location:
+            return location.split(marker, 1)[1]
+    return location
 
 
 def _count_lowered(text: str) -> tuple[int, int]:
@@ -59,6 +194,130 @@ def _count_compiled(text: str) -> tuple[int, int]:
     return fp8, total
 
 
+# --- the matmuls of a program, with their source ---
+
+_MLIR_TYPE = re.compile(r"tensor<([^>]*)>")
+_SHLO_DOT_LINE = re.compile(
+    r"stablehlo\.dot_general[^\n]*?:\s*\(([^)]*)\)\s*->\s*(tensor<[^>]*>)[^\n]*?loc\((#loc\d*|.*)\)\s*$", re.M
+)
+_LOC_DEF = re.compile(r"^(#loc\d*) = loc\((.*)\)\s*$", re.M)
+_FILE_LOC = re.compile(r'^"([^"]+)":(\d+):\d+')
+_NAME_LOC = re.compile(r'^"((?:[^"\\]|\\.)*)"(?:\((.*)\))?$', re.S)
+_CALLSITE = re.compile(r"^callsite\((#loc\d*) at (#loc\d*)\)$")
+
+
+def _mlir_type(t: str) -> str:
+    """`tensor<2x4x16xf8E4M3FN>` -> `f8e4m3fn[2,4,16]`."""
+    m = _MLIR_TYPE.search(t)
+    if not m:
+        return t.strip()
+    *dims, dtype = m.group(1).split("x")
+    return f"{dtype.lower()}[{','.join(dims)}]"
+
+
+class _Locations:
+    """Resolves MLIR location aliases (`#loc12`) to (name, frames)."""
+
+    def __init__(self, text: str):
+        self.defs = dict(_LOC_DEF.findall(text))
+        self.memo: dict[str, tuple[str, tuple[str, ...]]] = {}
+
+    def resolve(self, loc: str) -> tuple[str, tuple[str, ...]]:
+        loc = loc.strip()
+        if loc not in self.memo:
+            self.memo[loc] = self._resolve(loc)
+        return self.memo[loc]
+
+    def _resolve(self, loc: str) -> tuple[str, tuple[str, ...]]:
+        if loc.startswith("#loc"):
+            body = self.defs.get(loc)
+            return self.resolve(body) if body is not None else ("", ())
+        if m := _CALLSITE.match(loc):
+            n1, f1 = self.resolve(m.group(1))
+            n2, f2 = self.resolve(m.group(2))
+            return n1 or n2, f1 + f2
+        if m := _FILE_LOC.match(loc):
+            return "", (f"{m.group(1)}:{m.group(2)}",)
+        if m := _NAME_LOC.match(loc):
+            name, child = m.group(1), m.group(2)
+            n, frames = self.resolve(child) if child else ("", ())
+            return name, frames
+        return "", ()
+
+
+def _is_fp8ax_frame(frame: str) -> bool:
+    return frame.startswith(_FP8AX_DIR)
+
+
+def _issued_by_fp8ax(name: str, frames: tuple[str, ...]) -> bool:
+    # The named scope of `Fp8DotGeneral.__call__`, or the innermost frame in fp8ax's
+    # source (not any frame: `gemm_report` and `microbatched` are fp8ax frames too).
+    return _FP8AX_SCOPE in name or bool(frames and _is_fp8ax_frame(frames[0]))
+
+
+# Library frames that only pass a call on (jit and grad wrappers, Haliax's named-axis
+# dot): a location names the code that asked for the matmul, not these.
+_PLUMBING = (
+    "equinox/_jit.py", "equinox/_ad.py", "equinox/_vmap_pmap.py", "equinox/_module/", "haliax/jax_utils.py",
+    "haliax/_src/", "haliax/core.py",
+)
+
+
+def _location(frames: tuple[str, ...]) -> str | None:
+    """The innermost frame outside fp8ax and the plumbing; the innermost if all are."""
+    keep = (f for f in frames if not _is_fp8ax_frame(f) and not any(p in f for p in _PLUMBING))
+    return next(keep, frames[0] if frames else None)
+
+
+def _lowered_gemms(text: str) -> tuple[Gemm, ...]:
+    locs = _Locations(text)
+    out = []
+    for m in _SHLO_DOT_LINE.finditer(text):
+        operands, result, loc = m.groups()
+        types = _MLIR_TYPE.findall(operands)
+        lhs, rhs = (_mlir_type(f"tensor<{t}>") for t in (types + ["", ""])[:2])
+        name, frames = locs.resolve(loc)
+        fp8ax = _issued_by_fp8ax(name, frames)
+        out.append(Gemm(lhs, rhs, _mlir_type(result), bool(_FP8_TYPE.search(operands)), fp8ax, name,
+                        _location(frames), frames))
+    return tuple(out)
+
+
+_HLO_DEF = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s+[\w\-]+\(", re.M)
+_HLO_OPERAND = re.compile(r"%([\w.\-]+)")
+_HLO_LAYOUT = re.compile(r"\{[^{}]*\}")
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+
+
+def _compiled_gemms(text: str, lowered: tuple[Gemm, ...]) -> tuple[Gemm, ...]:
+    types = {name: _HLO_LAYOUT.sub("", t) for name, t in _HLO_DEF.findall(text)}
+    where = {}  # op name -> (location, traceback), from the lowered program
+    for g in lowered:
+        where.setdefault(g.name, (g.location, g.traceback))
+    out = []
+    for line in text.splitlines():
+        for m in _HLO_DOT.finditer(line):
+            kind, operands, rest = m.groups()
+            target = re.search(r'custom_call_target="([^"]+)"', rest)
+            if kind == "custom-call" and (
+                not target or not re.search(r"gemm|matmul|cublas", target.group(1), re.IGNORECASE)
+            ):
+                continue
+            fp8 = bool(_FP8_TYPE.search(operands) or (kind == "custom-call" and "f8" in target.group(1)))
+            names = _HLO_OPERAND.findall(operands)
+            lhs, rhs = ([types.get(n, "") for n in names] + ["", ""])[:2]
+            d = _HLO_DEF.match(line)
+            result = _HLO_LAYOUT.sub("", d.group(2)) if d else ""
+            if result.startswith("("):  # a GEMM custom call returns (result, workspace)
+                result = result[1:].split(",")[0].strip()
+            op = _OP_NAME.search(rest)
+            name = op.group(1) if op else ""
+            location, frames = where.get(name, (None, ()))
+            fp8ax = _issued_by_fp8ax(name, frames)
+            out.append(Gemm(lhs, rhs, result, fp8, fp8ax, name, location, frames))
+    return tuple(out)
+
+
 def gemm_report(fn: Callable, *args, **kwargs) -> GemmReport:
     """Counts the matmuls of `jax.jit(fn)(*args, **kwargs)` that really run in FP8.
 
@@ -69,8 +328,9 @@ def gemm_report(fn: Callable, *args, **kwargs) -> GemmReport:
 
     **Arguments:**
 
-    - `fn`: the function to inspect, e.g. a training step. Wrap Equinox functions that
-      take modules with `eqx.filter_jit` first; any jittable callable works.
+    - `fn`: the function to inspect, e.g. a training step: a jitted function
+      (`eqx.filter_jit`, `jax.jit`) or any callable, which is wrapped in
+      `eqx.filter_jit` (so it may take modules).
     - `*args`, `**kwargs`: example arguments.
 
     **Returns:**
@@ -86,10 +346,14 @@ def gemm_report(fn: Callable, *args, **kwargs) -> GemmReport:
     """
     if not callable(fn):
         raise TypeError(f"`fn` must be a callable (e.g. a training step), got {type(fn).__name__}.")
-    jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
+    jitted = fn if hasattr(fn, "lower") else eqx.filter_jit(fn)
     lowered = jitted.lower(*args, **kwargs)
     lowered = getattr(lowered, "lowered", lowered)  # eqx.filter_jit wraps JAX's `Lowered`
     lf, lt = _count_lowered(lowered.as_text())
     compiled_text = lowered.compile().as_text()
     cf, ct = _count_compiled(compiled_text)
-    return GemmReport(backend=jax.default_backend(), lowered_fp8=lf, lowered_total=lt, compiled_fp8=cf, compiled_total=ct)
+    low = _lowered_gemms(lowered.as_text(debug_info=True))
+    return GemmReport(
+        backend=jax.default_backend(), lowered_fp8=lf, lowered_total=lt, compiled_fp8=cf, compiled_total=ct,
+        lowered=low, compiled=_compiled_gemms(compiled_text, low),
+    )

@@ -1,7 +1,7 @@
 import dataclasses
 import difflib
 import math
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
 import equinox as eqx
 import haliax as hax
@@ -151,6 +151,44 @@ def path_str(path) -> str:
     return ".".join(parts)
 
 
+class Decision(NamedTuple):
+    """What [`fp8ax.fp8_linear_layers`][] does with one linear layer, and why."""
+
+    path: str
+    action: Literal["convert", "keep", "skip"]  # keep: already low precision, left as it is
+    reason: str
+    selected: bool  # whether `config.targets` selects it
+
+
+def decide(path: str, layer: Any, config: Fp8Config) -> Decision:
+    """The one rule of the transform, for the linear layer `layer` at dotted `path`:
+    [`fp8ax.fp8_linear_layers`][] and [`fp8ax.conversion_report`][] both ask it."""
+    selected = config.matches(path, layer)
+    if _is_fp8(layer):
+        if isinstance(layer, Fp8Linear) or isinstance(layer.dot_general, Fp8DotGeneral):
+            reason = "already FP8 (fp8ax); its state is kept"
+        else:
+            reason = f"has its own dot_general ({type(layer.dot_general).__name__}); left as it is"
+        return Decision(path, "keep", reason, selected)
+    if not selected:
+        return Decision(path, "skip", "not selected by `targets`", False)
+    fin, fout = _features(layer)
+    if min(fin, fout) < config.min_features:
+        side = "input" if fin <= fout else "output"
+        return Decision(
+            path, "skip", f"{side} size {min(fin, fout)} < `min_features` ({config.min_features})", True
+        )
+    return Decision(path, "convert", "selected by `targets`" if config.targets is not None else "every linear layer", True)
+
+
+def _converted(node, config: Fp8Config):
+    if isinstance(node, eqx.nn.Linear):
+        return Fp8Linear.from_linear(node, config)
+    own = _axis_names(node.In) | _axis_names(node.Out)
+    rhs_axes = tuple(ax.name for ax in node.weight.axes if ax.name in own)
+    return dataclasses.replace(node, dot_general=config.make_dot_general(_haliax_batch_shape(node), rhs_axes))
+
+
 def fp8_linear_layers(module: T, config: Fp8Config | None = None) -> T:
     """Replaces the matmuls in linear layers with [`fp8ax.Fp8DotGeneral`][].
 
@@ -190,41 +228,35 @@ def fp8_linear_layers(module: T, config: Fp8Config | None = None) -> T:
     if not isinstance(config, Fp8Config):
         raise TypeError(f"`config` must be an `fp8ax.Fp8Config`, got {type(config).__name__}.")
 
-    seen: list[str] = []
-    selected = 0
-    kept = 0  # selected layers that are FP8 after the transform (converted or already)
+    decisions: list[Decision] = []
 
     def convert(path, node):
-        nonlocal selected, kept
         if not _is_linear(node):
             return node
-        p = path_str(path)
-        seen.append(p)
-        if not config.matches(p, node):
-            return node
-        selected += 1
-        if _is_fp8(node):
-            kept += 1
-            return node
-        fin, fout = _features(node)
-        if min(fin, fout) < config.min_features:
-            return node
-        kept += 1
-        if isinstance(node, eqx.nn.Linear):
-            return Fp8Linear.from_linear(node, config)
-        own = _axis_names(node.In) | _axis_names(node.Out)
-        rhs_axes = tuple(ax.name for ax in node.weight.axes if ax.name in own)
-        return dataclasses.replace(node, dot_general=config.make_dot_general(_haliax_batch_shape(node), rhs_axes))
+        d = decide(path_str(path), node, config)
+        decisions.append(d)
+        return _converted(node, config) if d.action == "convert" else node
 
     out = jtu.tree_map_with_path(convert, module, is_leaf=_is_linear)
+    problem = config_problem(module, config, decisions)
+    if problem is not None:
+        raise ValueError(problem)
+    return out
+
+
+def config_problem(module: Any, config: Fp8Config, decisions: list[Decision]) -> str | None:
+    """Why `fp8_linear_layers(module, config)` would convert nothing or ignore part of
+    `config` (the message it raises), or None if all is well."""
+    seen = [d.path for d in decisions]
     if not seen:
-        raise ValueError(
+        return (
             "`fp8_linear_layers` found no linear layer (`haliax.nn.Linear` or `equinox.nn.Linear`) in `module` "
             f"(a {type(module).__name__})."
         )
+    selected = sum(d.selected for d in decisions)
     if selected == 0:
         shown = ", ".join(repr(p) for p in seen[:8]) + (", ..." if len(seen) > 8 else "")
-        raise ValueError(
+        return (
             f"`config.targets` ({config.targets!r}) matches none of the {len(seen)} linear layers. "
             f"Their paths: {shown}. A list entry matches a path that equals it or ends with '.' + entry; a "
             "string must re.fullmatch the whole path."
@@ -232,13 +264,13 @@ def fp8_linear_layers(module: T, config: Fp8Config | None = None) -> T:
     if isinstance(config.targets, tuple):
         unmatched = [name for name in config.targets if not any(p == name or p.endswith("." + name) for p in seen)]
         if unmatched:
-            raise ValueError(_unmatched_targets_message(unmatched, seen))
-    if kept == 0:
-        raise ValueError(
+            return _unmatched_targets_message(unmatched, seen)
+    if not any(d.selected and d.action != "skip" for d in decisions):
+        return (
             f"`config.min_features` ({config.min_features}) skips all {selected} selected linear layers (each has "
             "an input or output smaller than that), so nothing was converted. Lower `min_features`."
         )
-    return out
+    return None
 
 
 def _unmatched_targets_message(unmatched: list[str], paths: list[str]) -> str:

@@ -1,0 +1,391 @@
+# Scaling statistics of a model's FP8 layers as a flat {name: float} dict (for W&B,
+# TensorBoard, printing), and a plot of the amax histories.
+#
+# The state statistics read the `ScalingState`s. The batch statistics (saturation,
+# underflow) need the tensors each layer quantises: `scaling_stats` runs the given
+# function on a copy of the model in which every `Fp8DotGeneral` is wrapped by
+# `_Capture`. The wrapper calls the layer unchanged, quantises its operands once more
+# with the layer's own recipe and state, and sends the counts to the host with
+# `jax.debug.callback` (one call per use: per example under `vmap`, per layer under
+# `Stacked`'s scan, which slices the wrapper's layer index with the state).
+
+import functools
+import pathlib
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import haliax.nn as hnn
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jaxtyping import Array
+
+from ._dot_general import Fp8DotGeneral
+from ._maxgrad import merged_amax
+from ._quantized import QuantizedArray
+from ._transform import Fp8Linear, _haliax_batch_shape, path_str
+
+ROLES = ("lhs", "rhs", "grad")
+_FORWARD = ("lhs", "rhs")
+_COUNTS = ("saturated", "underflow", "nonzero", "total")
+
+_LOCK = threading.Lock()
+_active: dict | None = None  # (slot, index) -> {role: counts}, while `scaling_stats` runs `fn`
+
+
+def _layers(model) -> list[tuple[str, Fp8DotGeneral, tuple[int, ...]]]:
+    """`(name, dot general, stacked shape)` of every `Fp8DotGeneral`, in tree order; the
+    name is the layer's dotted path (`blocks.stacked.mlp.up_proj`)."""
+    out = []
+    for path, node in jtu.tree_flatten_with_path(model, is_leaf=_is_holder)[0]:
+        if not _is_holder(node):
+            continue
+        name = path_str(path)
+        if isinstance(node, Fp8DotGeneral):
+            out.append((name or "dot_general", node, _state_shape(node)))
+        elif isinstance(node.dot_general, Fp8DotGeneral):
+            out.append((name or "(root)", node.dot_general, _holder_shape(node)))
+    return out
+
+
+def _is_holder(x) -> bool:
+    return isinstance(x, Fp8DotGeneral | Fp8Linear) or (
+        isinstance(x, hnn.Linear) and isinstance(x.dot_general, Fp8DotGeneral)
+    )
+
+
+def _state_shape(dg: Fp8DotGeneral) -> tuple[int, ...]:
+    return tuple(np.shape(dg.lhs.scale)) if dg.lhs is not None else ()
+
+
+def _holder_shape(layer) -> tuple[int, ...]:
+    if isinstance(layer, hnn.Linear):
+        return _haliax_batch_shape(layer)
+    return tuple(int(d) for d in layer.weight.shape[:-2])
+
+
+def _index_str(index: tuple[int, ...]) -> str:
+    return f"[{','.join(map(str, index))}]" if index else ""
+
+
+def _role_dtype(dg: Fp8DotGeneral, role: str):
+    recipe = dg.settings.operand_recipe(role)
+    if recipe is None:
+        return None
+    return recipe.grad_dtype if role == "grad" else recipe.fwd_dtype
+
+
+def _bound(dtype) -> float:
+    """The largest magnitude the quantised values can hold."""
+    dtype = np.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.integer):
+        return float(jnp.iinfo(dtype).max)
+    return float(jnp.finfo(dtype).max)
+
+
+def operand_counts(x: Array, q: QuantizedArray) -> dict[str, Array]:
+    """How many elements of `x` the quantisation `q` (of `x`) saturated or flushed to zero.
+
+    - `saturated`: finite elements with `|x| / scale` beyond the largest value of the
+      format (they are clipped to it);
+    - `underflow`: finite nonzero elements whose quantised value is zero;
+    - `nonzero`, `total`: finite nonzero elements, and all elements.
+    """
+    xf = jnp.asarray(x).astype(jnp.float32)
+    finite = jnp.isfinite(xf)
+    # The scale of every element (tensor, row or MX block), as the values' dtype reads it.
+    one = QuantizedArray(jnp.ones_like(q.values), q.scale, q.block_axis, q.block_size, q.int_exponent)
+    elem_scale = jnp.broadcast_to(one.dequantize(jnp.float32), xf.shape)
+    # The quantiser's own arithmetic: x * (1 / scale), in float32.
+    saturated = finite & (jnp.abs(xf * (jnp.float32(1.0) / elem_scale)) > jnp.float32(_bound(q.values.dtype)))
+    nonzero = finite & (xf != 0)
+    underflow = nonzero & (q.values == jnp.zeros((), q.values.dtype))
+    total = jnp.int32(xf.size)
+    return {
+        "saturated": jnp.sum(saturated, dtype=jnp.int32),
+        "underflow": jnp.sum(underflow, dtype=jnp.int32),
+        "nonzero": jnp.sum(nonzero, dtype=jnp.int32),
+        "total": total,
+    }
+
+
+def _quantised_as_the_layer_does(dg: Fp8DotGeneral, role: str, x, axes) -> QuantizedArray:
+    recipe = dg.settings.operand_recipe(role)
+    dtype = recipe.fwd_dtype
+    state = getattr(dg, role)
+    if state is None:
+        q, _ = recipe.quantize_operand(x, axes, dtype)
+        return q
+    scale, history = state.scale, state.amax_history
+    # As the GEMM pipeline does: a first call (empty history) under `vmap` calibrates on
+    # the amax of the whole batch, not of each example.
+    q, _ = recipe.quantize_operand(
+        x, axes, dtype, state=(scale, history), merge=lambda v: merged_amax(v, scale)
+    )
+    return q
+
+
+class _Capture(eqx.Module):
+    """An `Fp8DotGeneral` that also reports what its operands lose to quantisation."""
+
+    inner: Fp8DotGeneral
+    index: Array  # int32 of the stacked shape: which stacked layer (sliced with the state)
+    slot: int = eqx.field(static=True)  # the layer's position in `_layers(model)`
+
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+        out = self.inner(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+        st = self.inner.settings
+        if "fwd" in st.high_precision_gemms:
+            return out
+        lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+        if st.compute_dtype is not None:
+            lhs, rhs = lhs.astype(st.compute_dtype), rhs.astype(st.compute_dtype)
+        (lc, rc), _ = dimension_numbers
+        counts = {}
+        for role, x, axes in (("lhs", lhs, lc), ("rhs", rhs, rc)):
+            if st.operand_recipe(role) is None:
+                continue
+            axes = tuple(int(a) % x.ndim for a in axes)
+            q = _quantised_as_the_layer_does(self.inner, role, x, axes)
+            counts[role] = operand_counts(x, q)
+        jax.debug.callback(functools.partial(_record, self.slot), self.index, counts)
+        return out
+
+
+def _record(slot: int, index, counts) -> None:
+    index = np.asarray(index)
+    shape = _SHAPES.get(slot, ())
+    # The stacked layer(s) this call ran: one under `Stacked`'s scan (the index is sliced
+    # like the state), all of them if the stacked axis was not sliced.
+    flat = [int(i) for i in index.reshape(-1)]
+    keys = [tuple(int(i) for i in np.unravel_index(k, shape)) for k in flat] if shape else [()]
+    with _LOCK:
+        if _active is None:
+            return
+        for key in keys:
+            acc = _active.setdefault((slot, key), {})
+            for role, c in counts.items():
+                prev = acc.setdefault(role, dict.fromkeys(_COUNTS, 0))
+                for name in _COUNTS:
+                    prev[name] += int(np.asarray(c[name]))
+
+
+_SHAPES: dict[int, tuple[int, ...]] = {}  # slot -> stacked shape, for the run in progress
+
+
+def _wrapped(model, layers):
+    slot_of = {id(dg): i for i, (_, dg, _) in enumerate(layers)}
+
+    def wrap(dg):
+        i = slot_of[id(dg)]
+        shape = layers[i][2]
+        index = jnp.arange(int(np.prod(shape, dtype=int)), dtype=jnp.int32).reshape(shape)
+        return _Capture(dg, index, i)
+
+    def visit(node):
+        if isinstance(node, Fp8DotGeneral):
+            return wrap(node)
+        if isinstance(node, Fp8Linear):
+            return eqx.tree_at(lambda m: m.dot_general, node, wrap(node.dot_general))
+        if isinstance(node, hnn.Linear) and isinstance(node.dot_general, Fp8DotGeneral):
+            return eqx.tree_at(lambda m: m.dot_general, node, wrap(node.dot_general))
+        return node
+
+    return jtu.tree_map(visit, model, is_leaf=_is_holder)
+
+
+def _concrete(x, what: str) -> np.ndarray:
+    if isinstance(x, jax.core.Tracer):
+        raise TypeError(
+            f"`{what}` reads the values of the FP8 state, so it must be called outside `jax.jit`, `jax.grad` and "
+            "other transformations (on the model a training step returned)."
+        )
+    return np.asarray(x, np.float64)
+
+
+def scaling_stats(model: Any, fn: Callable | None = None, *args, **kwargs) -> dict[str, float]:
+    """Per-layer FP8 scaling statistics as a flat `{name: float}` dict, ready for
+    `wandb.log` or TensorBoard's `add_scalar`.
+
+    For every [`fp8ax.Fp8DotGeneral`][] with a stateful recipe, and each of its three
+    tensors `lhs` (input), `rhs` (weight) and `grad` (output gradient):
+
+    - `"{path}/{tensor}/scale"`: the dequantisation scale its last call used;
+    - `"{path}/{tensor}/amax"`: the newest amax in its history (0 before the first step);
+    - `"{path}/{tensor}/amax_history_max"`: the largest amax in its history, which sets the
+      next call's scale with `amax_compute_algo="max"`.
+
+    `path` is the layer's dotted path (`blocks.stacked.mlp.up_proj`, as in
+    [`fp8ax.conversion_report`][]). A layer inside `haliax.nn.Stacked` (or an ensemble)
+    has one entry per stacked layer, its index in brackets: `blocks.stacked.mlp.up_proj[1]/lhs/scale`.
+
+    Given `fn` and its arguments, it also runs `fn(model, *args, **kwargs)` (once, on a
+    copy of the model that observes each layer's operands) and adds, for the forward
+    operands `lhs` and `rhs` of every FP8 layer that `fn` calls (stateless recipes too):
+
+    - `"{path}/{tensor}/saturation"`: the fraction of its elements beyond the format's
+      range at the scale the layer uses (`|x| / scale > 448` for E4M3), which the
+      quantisation clips;
+    - `"{path}/{tensor}/underflow"`: the fraction of its nonzero elements that quantise
+      to zero.
+
+    Both are computed with the layer's own recipe and state, as the call in `fn` would
+    quantise them; a layer used several times in `fn` (`vmap` over examples, a `scan`)
+    counts all its uses together. The state of the model is not changed. The output
+    gradient (`grad`) is not covered, nor calls inside `jax.shard_map` whose amax
+    would be reduced over shards.
+
+    **Arguments:**
+
+    - `model`: a model with FP8 layers. Its state must be concrete: call this outside
+      `jax.jit`, on the model your training step returned.
+    - `fn`: optional; a function whose first argument is the model, such as the loss
+      function or the model's forward pass. Pass a jitted one (`eqx.filter_jit`) to
+      compile it once for repeated logging.
+    - `*args`, `**kwargs`: the rest of `fn`'s arguments, e.g. a batch.
+
+    **Returns:**
+
+    A `dict` from names to Python floats.
+
+    !!! Example
+
+        ```python
+        wandb.log(fp8ax.scaling_stats(model), step=step)                  # scales and amaxes
+        wandb.log(fp8ax.scaling_stats(model, loss_fn, x, y), step=step)   # ... and saturation, underflow
+        ```
+    """
+    global _active
+    layers = _layers(model)
+    out: dict[str, float] = {}
+    for name, dg, _ in layers:
+        arrays = {}
+        for role in ROLES:
+            state = getattr(dg, role)
+            if state is not None:
+                arrays[role] = (_concrete(state.scale, "scaling_stats"), _concrete(state.amax_history, "scaling_stats"))
+        if not arrays:
+            continue
+        for index in np.ndindex(*arrays["lhs"][0].shape):  # one entry per stacked layer
+            for role, (scale, history) in arrays.items():
+                key = f"{name}{_index_str(index)}/{role}"
+                out[f"{key}/scale"] = float(scale[index])
+                out[f"{key}/amax"] = float(history[index][0])
+                out[f"{key}/amax_history_max"] = float(history[index].max())
+    if fn is None:
+        if args or kwargs:
+            raise TypeError("`scaling_stats` got arguments for `fn`, but no `fn`: pass the function first.")
+        return out
+    if not callable(fn):
+        raise TypeError(f"`fn` must be a callable taking the model first (e.g. the loss), got {type(fn).__name__}.")
+    with _LOCK:
+        if _active is not None:
+            raise RuntimeError("`scaling_stats` is already running a function (in another thread?).")
+        _active = {}
+        _SHAPES.clear()
+        _SHAPES.update({i: shape for i, (_, _, shape) in enumerate(layers)})
+    try:
+        result = fn(_wrapped(model, layers), *args, **kwargs)
+        jax.block_until_ready(result)
+        jax.effects_barrier()
+        with _LOCK:
+            seen = dict(_active)
+    finally:
+        with _LOCK:
+            _active = None
+    for (slot, index), roles in sorted(seen.items()):
+        name = layers[slot][0]
+        for role in _FORWARD:
+            c = roles.get(role)
+            if c is None:
+                continue
+            key = f"{name}{_index_str(index)}/{role}"
+            out[f"{key}/saturation"] = c["saturated"] / c["total"] if c["total"] else 0.0
+            out[f"{key}/underflow"] = c["underflow"] / c["nonzero"] if c["nonzero"] else 0.0
+    return out
+
+
+def plot_amax_history(
+    model: Any,
+    path: str | pathlib.Path = "amax_history.png",
+    *,
+    tensors: tuple[str, ...] = ROLES,
+    title: str | None = None,
+) -> pathlib.Path:
+    """Plots the amax history of every FP8 layer, one panel per tensor, and saves it.
+
+    Each line is one layer (one stacked layer of a `haliax.nn.Stacked`), labelled by
+    its path as in [`fp8ax.scaling_stats`][]. The x axis counts steps back from the
+    newest entry (0); entries not yet recorded (0 in the history) are left out. The y
+    axis is logarithmic.
+
+    Needs matplotlib (`pip install fp8ax[plot]`).
+
+    **Arguments:**
+
+    - `model`: a model with FP8 layers and a stateful recipe, outside `jax.jit`.
+    - `path`: where to write the picture; the format follows the suffix (`.png`,
+      `.svg`, `.pdf`). Missing parent folders are created.
+    - `tensors`: which of `"lhs"`, `"rhs"`, `"grad"` to plot. (Keyword only argument.)
+    - `title`: the figure's title. (Keyword only argument.)
+
+    **Returns:**
+
+    The path written, as a `pathlib.Path`.
+
+    **Raises:**
+
+    `ImportError` without matplotlib; `ValueError` if the model has no FP8 state.
+    """
+    tensors = tuple(tensors) if not isinstance(tensors, str) else (tensors,)
+    bad = [t for t in tensors if t not in ROLES]
+    if bad or not tensors:
+        raise ValueError(f"`tensors` must name some of {ROLES}, got {tensors!r}.")
+    series = {t: [] for t in tensors}
+    for name, dg, _ in _layers(model):
+        for role in tensors:
+            state = getattr(dg, role)
+            if state is None:
+                continue
+            history = _concrete(state.amax_history, "plot_amax_history")
+            for index in np.ndindex(*history.shape[:-1]):
+                series[role].append((f"{name}{_index_str(index)}", history[index]))
+    if not any(series.values()):
+        raise ValueError(
+            "`model` has no FP8 state to plot: no `fp8ax.Fp8DotGeneral` with a stateful recipe "
+            "(`fp8ax.DelayedScaling`). Convert it with `fp8ax.fp8_linear_layers` first."
+        )
+    try:
+        # The object-oriented API only: no pyplot, so the user's backend and figures are untouched.
+        import matplotlib
+        import matplotlib.ticker
+        from matplotlib.figure import Figure
+    except ImportError as e:
+        raise ImportError(
+            "`fp8ax.plot_amax_history` needs matplotlib: `pip install fp8ax[plot]` (or `pip install matplotlib`)."
+        ) from e
+    n_lines = max(len(s) for s in series.values())
+    fig = Figure(figsize=(8, 2.6 * len(tensors) + 0.4))
+    axes = fig.subplots(len(tensors), 1, sharex=True, squeeze=False)
+    colors = matplotlib.colormaps["tab20" if n_lines > 10 else "tab10"]
+    for ax, role in zip(axes[:, 0], tensors):
+        for k, (label, history) in enumerate(series[role]):
+            recorded = np.nonzero(history > 0)[0]
+            ax.plot(-recorded, history[recorded], label=label, color=colors(k % colors.N), linewidth=1.0)
+        ax.set_yscale("log")
+        ax.set_ylabel(f"{role} amax")
+        ax.grid(alpha=0.3, which="both")
+    axes[-1, 0].set_xlabel("step, relative to the newest entry (0)")
+    axes[-1, 0].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small", frameon=False)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    return path
