@@ -186,66 +186,130 @@ def _fwd(call: Call, lhs, rhs, *raw):
 
 
 def _bwd(call: Call, residuals, g):
-    return _batchable_bwd(call)(residuals, g)
+    st = call.settings
+    res_l, res_r, new_l, new_r, g_state = residuals
+    (_, _), (_, rb) = call.dims
+    lay = bwd_layout(call.dims, _ndim(res_l), _ndim(res_r))
+    hp = st.high_precision_gemms
+    grad_recipe = st.operand_recipe("grad")
+
+    stochastic = _stochastic(grad_recipe)
+    keys = jax.random.split(content_key(grad_recipe.seed, g)) if stochastic else (None, None)
+    # A tensor-wise, round-to-nearest gradient is quantised once for both GEMMs (and a
+    # stateful recipe observes it once).
+    shared_g, new_g = None, None
+    if grad_recipe is not None and grad_recipe.scale_layout == "tensor" and not stochastic:
+        if not ("dlhs" in hp and "drhs" in hp):
+            shared_g, new_g = _quantise(call, "grad", g, lay.g_rfree, g_state)
+
+    # d lhs = g . rhs, contracting g's rhs-free dims with rhs's free dims.
+    if "dlhs" in hp:
+        (qg1, g1), (qr1, r1) = (None, g), (None, res_r)
+    else:
+        qg1, g1 = (shared_g, g) if shared_g is not None else (_quantise(call, "grad", g, lay.g_rfree, key=keys[0])[0], g)
+        qr1, r1 = _operand(call, "rhs", res_r, lay.r_free)
+    dlhs = oriented_gemm(_gemm_fn(call, qg1, g1, qr1, r1, st.dlhs_precision, call.lhs_dtype),
+                         lay.g_rfree, lay.r_free, lay.g_batch, rb, lay.dlhs_ab, lay.dlhs_ba)
+    drhs = _batchable_drhs(call)(res_l, res_r, g, shared_g, keys[1])
+    # Inside `jax.shard_map` the cotangent of an operand that does not vary over a manual
+    # axis (a replicated weight) is summed over it, as JAX's own `dot_general` does.
+    dlhs = reduce_to(dlhs, call.lhs_vma, lax.psum)
+    drhs = reduce_to(drhs, call.rhs_vma, lax.psum)
+    if not call.state_is_max:
+        return dlhs, drhs
+    new = [v for pair in (new_l, new_r, new_g) for v in pair]
+    cts = tuple(raw_to_max(v.astype(jnp.float32)) if m else v.astype(jnp.float32) for v, m in zip(new, call.state_is_max))
+    return (dlhs, drhs, *cts)
+
+
+def _stochastic(recipe) -> bool:
+    return recipe is not None and getattr(recipe, "grad_rounding", "nearest") == "stochastic"
+
+
+def _operand(call: Call, role: str, res, axes, key=None):
+    """A backward GEMM's operand: the forward's FP8 copy, or quantised along `axes`."""
+    if isinstance(res, QuantizedArray):
+        return res, res.values
+    return _quantise(call, role, res, axes, key=key)[0], res
+
+
+def _gemm_fn(call: Call, qa, a, qb, b, precision, out_dtype):
+    def gemm(swapped, dims):
+        if swapped:
+            return _gemm(call, qb, b, qa, a, dims, precision, out_dtype)
+        return _gemm(call, qa, a, qb, b, dims, precision, out_dtype)
+
+    return gemm
+
+
+def _drhs(call: Call, res_l, res_r, g, shared_g, key):
+    """d rhs = lhs . g, contracting lhs's free dims with g's lhs-free dims. (`res_r` only
+    gives the layout; `shared_g` is the gradient quantised once for both GEMMs, if it is.)"""
+    st = call.settings
+    (_, _), (lb, _) = call.dims
+    lay = bwd_layout(call.dims, _ndim(res_l), _ndim(res_r))
+    if "drhs" in st.high_precision_gemms:
+        (ql, l), (qg, g2) = (None, res_l), (None, g)
+    else:
+        ql, l = _operand(call, "lhs", res_l, lay.l_free)
+        qg, g2 = (shared_g, g) if shared_g is not None else (_quantise(call, "grad", g, lay.g_lfree, key=key)[0], g)
+    return oriented_gemm(_gemm_fn(call, ql, l, qg, g2, st.drhs_precision, call.rhs_dtype),
+                         lay.l_free, lay.g_lfree, lb, lay.g_batch, lay.drhs_ab, lay.drhs_ba)
 
 
 @functools.cache
-def _batchable_bwd(call: Call):
-    """The backward pass of `call`, with a `vmap` rule for per-example calls.
+def _batchable_drhs(call: Call):
+    """The weight gradient of `call`, with a `vmap` rule for per-example calls.
 
     `jax.vmap` of a custom VJP vmaps its backward pass. For a per-example layer (inputs
     mapped, weight and state not: `jax.vmap(eqx.nn.Linear(...))`) that computes one
     weight gradient per example, an outer product each, and sums them: B GEMMs of rank 1
-    instead of one. When every scale the backward pass quantises with is shared by the
-    examples (it comes from the state, or the operand stays in high precision), the
-    mapped axis is one more free axis of the lhs, so the rule folds it in and runs the
-    backward pass of that one bigger GEMM: the same quantised values, one weight
-    gradient GEMM that contracts over the examples too. Otherwise (per-example scales:
-    current scaling, MX, int8) it vmaps the backward pass as JAX would.
+    instead of one. When the lhs and the gradient are quantised with scales the examples
+    share (they come from the state, or the operand stays in high precision), the mapped
+    axis is one more free axis of the lhs, so the rule folds it in: the same quantised
+    values, one GEMM that also contracts over the examples. Otherwise (per-example
+    scales: current scaling, MX, int8) it vmaps, as JAX would, and warns once. The input
+    gradient needs no rule: `vmap` of `g . rhs` with an unmapped `rhs` is one GEMM already.
     """
 
     @custom_vmap
-    def bwd(residuals, g):
-        return _bwd_impl(call, residuals, g)
+    def drhs(res_l, res_r, g, shared_g, key):
+        return _drhs(call, res_l, res_r, g, shared_g, key)
 
-    @bwd.def_vmap
-    def rule(axis_size, in_batched, residuals, g):
-        (l_b, r_b, new_l_b, new_r_b, g_state_b), g_b = in_batched
-        state_b = any(jax.tree.leaves((new_l_b, new_r_b, g_state_b)))
-        if _foldable(call, residuals[0], l_b, r_b, state_b, g_b):
-            return _folded_bwd(call, residuals, g)
-        if _per_example(residuals[0], l_b, r_b, state_b, g_b):
+    @drhs.def_vmap
+    def rule(axis_size, in_batched, res_l, res_r, g, shared_g, key):
+        l_b, r_b, g_b, sg_b, k_b = in_batched
+        lhs_b = l_b.values if isinstance(res_l, QuantizedArray) else l_b
+        per_example = lhs_b and g_b and not any(jax.tree.leaves(r_b))
+        if per_example and _shared_lhs(call, res_l, l_b) and _shared_grad(call, shared_g, sg_b):
+            (lc, rc), (lb, rb) = call.dims
+            dims = ((tuple(a + 1 for a in lc), rc), (tuple(a + 1 for a in lb), rb))
+            # In the output, and so in `g`, batch dimensions come first, then the lhs's
+            # free ones in order: the examples' axis is the first of those.
+            g = jnp.moveaxis(g, 0, len(lb))
+            if shared_g is not None:
+                shared_g = QuantizedArray(jnp.moveaxis(shared_g.values, 0, len(lb)), shared_g.scale)
+            return _batchable_drhs(call._replace(dims=dims))(res_l, res_r, g, shared_g, key), False
+        if per_example:
             _warn_per_example(call)
-        return _vmapped_bwd(call, axis_size, in_batched, residuals, g, state_b)
+        axes = jax.tree.map(lambda b: 0 if b else None, in_batched)
+        out = jax.vmap(functools.partial(_drhs, call), in_axes=axes, axis_size=axis_size)(res_l, res_r, g, shared_g, key)
+        return out, True
 
-    return bwd
+    return drhs
 
 
-def _shared_in_bwd(call: Call, role: str, res, res_batched) -> bool:
-    """Whether every backward GEMM that reads operand `role` quantises it with a scale
-    the examples share (or not at all)."""
-    hp = call.settings.high_precision_gemms
-    recipe = call.settings.operand_recipe(role)
-    if recipe is None or {"lhs": {"drhs"}, "grad": {"dlhs", "drhs"}}[role] <= set(hp):
+def _shared_lhs(call: Call, res_l, l_b) -> bool:
+    """Whether the weight gradient quantises the lhs with a scale the examples share."""
+    if call.settings.operand_recipe("lhs") is None or "drhs" in call.settings.high_precision_gemms:
         return True
-    if role == "grad":  # a state-derived scale, one tensor-wise quantisation for both GEMMs
-        return recipe.stateful and recipe.scale_layout == "tensor"
-    return isinstance(res, QuantizedArray) and not res_batched.scale  # the forward's FP8 copy
+    return isinstance(res_l, QuantizedArray) and not l_b.scale  # the forward's FP8 copy
 
 
-def _per_example(res_l, l_b, r_b, state_b: bool, g_b: bool) -> bool:
-    """Per-example lhs and gradient, one weight and one state for all examples."""
-    lhs_b = l_b.values if isinstance(res_l, QuantizedArray) else l_b
-    return bool(lhs_b and g_b and not state_b and not any(jax.tree.leaves(r_b)))
-
-
-def _foldable(call: Call, res_l, l_b, r_b, state_b: bool, g_b: bool) -> bool:
-    """Per-example calls whose backward scales the examples share."""
-    return (
-        _per_example(res_l, l_b, r_b, state_b, g_b)
-        and _shared_in_bwd(call, "lhs", res_l, l_b)
-        and _shared_in_bwd(call, "grad", None, None)
-    )
+def _shared_grad(call: Call, shared_g, sg_b) -> bool:
+    if call.settings.operand_recipe("grad") is None or "drhs" in call.settings.high_precision_gemms:
+        return True
+    return shared_g is not None and not sg_b.scale
 
 
 _WARNED: set = set()
@@ -265,86 +329,6 @@ def _warn_per_example(call: Call):
         "(This warning is shown once per recipe.)",
         stacklevel=2,
     )
-
-
-def _folded_bwd(call: Call, residuals, g):
-    """The per-example axis (0 in `residuals[0]` and `g`) folded into the GEMM as the
-    lhs's first free axis."""
-    (lc, rc), (lb, rb) = call.dims
-    dims = ((tuple(a + 1 for a in lc), rc), (tuple(a + 1 for a in lb), rb))
-    res_l, *rest = residuals
-    # In the output, batch dimensions come first, then the lhs's free ones in order.
-    g = jnp.moveaxis(g, 0, len(lb))
-    out = _batchable_bwd(call._replace(dims=dims))((res_l, *rest), g)
-    return out, (True, *(False for _ in out[1:]))
-
-
-def _vmapped_bwd(call: Call, axis_size, in_batched, residuals, g, state_b: bool):
-    res_axes, g_axis = jax.tree.map(lambda b: 0 if b else None, in_batched)
-    n_out = 2 + (6 if call.state_is_max else 0)
-    # The state's new value is one merged observation (unbatched) unless the state itself
-    # is mapped; declaring it so makes a mistake an error instead of a sum over examples.
-    out_axes = (0, 0, *(0 if state_b else None for _ in range(n_out - 2)))
-    out = jax.vmap(functools.partial(_bwd_impl, call), in_axes=(res_axes, g_axis), out_axes=out_axes,
-                   axis_size=axis_size)(residuals, g)
-    return out, tuple(a == 0 for a in out_axes)
-
-
-def _bwd_impl(call: Call, residuals, g):
-    st = call.settings
-    res_l, res_r, new_l, new_r, g_state = residuals
-    (_, _), (lb, rb) = call.dims
-    lay = bwd_layout(call.dims, _ndim(res_l), _ndim(res_r))
-    hp = st.high_precision_gemms
-    grad_recipe = st.operand_recipe("grad")
-
-    stochastic = grad_recipe is not None and getattr(grad_recipe, "grad_rounding", "nearest") == "stochastic"
-    keys = jax.random.split(content_key(grad_recipe.seed, g)) if stochastic else (None, None)
-    # A tensor-wise, round-to-nearest gradient is quantised once for both GEMMs (and a
-    # stateful recipe observes it once).
-    shared_g, new_g = None, None
-    if grad_recipe is not None and grad_recipe.scale_layout == "tensor" and not stochastic:
-        if not ("dlhs" in hp and "drhs" in hp):
-            shared_g, new_g = _quantise(call, "grad", g, lay.g_rfree, g_state)
-
-    def operand(role, res, axes, key=None):
-        if isinstance(res, QuantizedArray):
-            return res, res.values
-        if role == "grad" and shared_g is not None:
-            return shared_g, g
-        return _quantise(call, role, res, axes, key=key)[0], res
-
-    def gemm_fn(qa, a, qb, b, precision, out_dtype):
-        def gemm(swapped, dims):
-            if swapped:
-                return _gemm(call, qb, b, qa, a, dims, precision, out_dtype)
-            return _gemm(call, qa, a, qb, b, dims, precision, out_dtype)
-
-        return gemm
-
-    # d lhs = g . rhs, contracting g's rhs-free dims with rhs's free dims.
-    if "dlhs" in hp:
-        (qg1, g1), (qr1, r1) = (None, g), (None, res_r)
-    else:
-        (qg1, g1), (qr1, r1) = operand("grad", g, lay.g_rfree, keys[0]), operand("rhs", res_r, lay.r_free)
-    dlhs = oriented_gemm(gemm_fn(qg1, g1, qr1, r1, st.dlhs_precision, call.lhs_dtype),
-                         lay.g_rfree, lay.r_free, lay.g_batch, rb, lay.dlhs_ab, lay.dlhs_ba)
-    # d rhs = lhs . g, contracting lhs's free dims with g's lhs-free dims.
-    if "drhs" in hp:
-        (ql2, l2), (qg2, g2) = (None, res_l), (None, g)
-    else:
-        (ql2, l2), (qg2, g2) = operand("lhs", res_l, lay.l_free), operand("grad", g, lay.g_lfree, keys[1])
-    drhs = oriented_gemm(gemm_fn(ql2, l2, qg2, g2, st.drhs_precision, call.rhs_dtype),
-                         lay.l_free, lay.g_lfree, lb, lay.g_batch, lay.drhs_ab, lay.drhs_ba)
-    # Inside `jax.shard_map` the cotangent of an operand that does not vary over a manual
-    # axis (a replicated weight) is summed over it, as JAX's own `dot_general` does.
-    dlhs = reduce_to(dlhs, call.lhs_vma, lax.psum)
-    drhs = reduce_to(drhs, call.rhs_vma, lax.psum)
-    if not call.state_is_max:
-        return dlhs, drhs
-    new = [v for pair in (new_l, new_r, new_g) for v in pair]
-    cts = tuple(raw_to_max(v.astype(jnp.float32)) if m else v.astype(jnp.float32) for v, m in zip(new, call.state_is_max))
-    return (dlhs, drhs, *cts)
 
 
 quantized_dot.defvjp(_fwd, _bwd)
