@@ -28,6 +28,16 @@ from ._cast import cast_floating as cast_floating
 from ._calibrate import calibrate as calibrate
 from ._inspect import GemmReport as GemmReport, gemm_report as gemm_report
 
+# serving
+from ._serving import (
+    ServingDotGeneral as ServingDotGeneral,
+    ServingHaliaxLinear as ServingHaliaxLinear,
+    ServingLinear as ServingLinear,
+    serving_template as serving_template,
+    to_serving as to_serving,
+)
+from ._checkpoint import tree_deserialise_leaves as tree_deserialise_leaves
+
 # modules and state
 from ._dot_general import Fp8DotGeneral as Fp8DotGeneral
 from ._transform import Fp8Linear as Fp8Linear
