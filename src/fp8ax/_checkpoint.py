@@ -45,8 +45,14 @@ def _records(f: BinaryIO) -> list[tuple[tuple[int, ...], str]]:
             raise ValueError(f"The file is not an `eqx.tree_serialise_leaves` checkpoint (record {len(out)}: {e}).")
         del fortran
         f.seek(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, 1)
-        out.append((tuple(shape), np.lib.format.dtype_to_descr(dtype)))
+        out.append((tuple(shape), _descr(dtype)))
     return out
+
+
+def _descr(dtype: np.dtype) -> str:
+    # numpy writes bfloat16 and the 8-bit floats as raw bytes ("|V2", "|V1").
+    descr = np.lib.format.dtype_to_descr(dtype)
+    return "V" + descr[2:] if descr[:2] in ("<V", "|V", ">V") else descr
 
 
 def _writes_record(x) -> bool:
@@ -57,12 +63,12 @@ def _writes_record(x) -> bool:
 def _signature(x) -> tuple[tuple[int, ...], str | None]:
     if isinstance(x, bool | int | float | complex):
         return (), None  # a Python scalar: its dtype on disk depends on the x64 flag
-    return tuple(np.shape(x)), np.lib.format.dtype_to_descr(np.dtype(x.dtype))
+    return tuple(np.shape(x)), _descr(np.dtype(x.dtype))
 
 
 def _show(sig) -> str:
     shape, descr = sig
-    names = {"<V2": "bfloat16", "|V1": "an 8-bit float"}
+    names = {"V2": "bfloat16", "V1": "an 8-bit float"}
     dtype = names.get(descr) or (np.dtype(descr).name if descr else "a Python scalar")
     return f"{dtype}{list(shape)}"
 

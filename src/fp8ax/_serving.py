@@ -159,7 +159,7 @@ class ServingDotGeneral(eqx.Module):
     weight_scale: Array
     input_scale: Array | None
     settings: GemmSettings = eqx.field(static=True)
-    weight_dtype: np.dtype = eqx.field(static=True)  # the dtype the training GEMM saw the weight in
+    weight_dtype: np.dtype = eqx.field(static=True)  # the training weight's dtype (before `compute_dtype`)
     value_dtype: np.dtype = eqx.field(static=True)  # the low-precision format of the stored values
     block_axis: int | None = eqx.field(static=True)
     block_size: int | None = eqx.field(static=True)
@@ -192,20 +192,23 @@ class ServingDotGeneral(eqx.Module):
         self._check_scales()
         st = self.settings
         x = _check_operand(x, "lhs" if role == "rhs" else "rhs")
+        w_dtype = self.weight_dtype
         if st.compute_dtype is not None:
             x = x.astype(st.compute_dtype)
+            w_dtype = st.compute_dtype
         if role == "lhs":
             if self.input_scale is not None or st.operand_recipe("lhs") != st.operand_recipe("rhs"):
                 raise ValueError(
-                    f"Layer `{self.layer}`: Haliax passed the weight as the first operand of the dot general (it "
-                    "does for an input with no axis besides the layer's input axes), so in training the weight "
-                    "was quantised as the activation and the activation as the weight, with the other operand's "
-                    "recipe or state. A serving layer cannot reproduce that; give the input a batch axis (of size "
-                    "1 for one example)."
+                    f"Layer `{self.layer}`: `hax.dot` passed the weight as the first operand of the dot general "
+                    "(it does when the input shares a non-contracted axis with the weight), so in training the "
+                    "weight was quantised as the activation (`lhs`) and the activation as the weight, with the "
+                    "other operand's state or recipe. A serving layer cannot reproduce that: serve this layer "
+                    "with a stateless recipe and one recipe for both operands, or exclude it from the FP8 "
+                    "conversion."
                 )
-            lhs_shape, lhs_dtype, rhs_shape, rhs_dtype = w.shape, self.weight_dtype, x.shape, np.dtype(x.dtype)
+            lhs_shape, lhs_dtype, rhs_shape, rhs_dtype = w.shape, w_dtype, x.shape, np.dtype(x.dtype)
         else:
-            lhs_shape, lhs_dtype, rhs_shape, rhs_dtype = x.shape, np.dtype(x.dtype), w.shape, self.weight_dtype
+            lhs_shape, lhs_dtype, rhs_shape, rhs_dtype = x.shape, np.dtype(x.dtype), w.shape, w_dtype
         dims = check_dimension_numbers(dimension_numbers, lhs_shape, rhs_shape)
         if preferred_element_type is not None:
             preferred_element_type = np.dtype(preferred_element_type)
@@ -392,9 +395,9 @@ def _convert_gemm(layer: str, dg: Fp8DotGeneral, w: Array, contracting: tuple[in
             f"Layer `{layer}` uses the stateful recipe {type(st.recipe).__name__}; `fp8ax.to_serving` serves "
             "`DelayedScaling` and the stateless recipes."
         )
+    weight_dtype = np.dtype(w.dtype)
     if st.compute_dtype is not None:
         w = w.astype(st.compute_dtype)
-    weight_dtype = np.dtype(w.dtype)
     delayed = st.recipe.stateful
     if delayed and check:
         _check_filled(layer, dg, stacked)
@@ -467,7 +470,7 @@ def _convert(model, check: bool):
     def convert(path, node):
         if not _is_node(node):
             return node
-        layer = path_str(path)
+        layer = path_str(path) or "(the model itself)"
         if _is_serving(node):
             raise ValueError(
                 f"Layer `{layer}` is already a serving layer: `fp8ax.to_serving` was called on this model "
