@@ -119,31 +119,26 @@ def _advice(like_kind: str, ckpt_kind: str | None) -> str:
         )
     if like_kind == "fp8" and ckpt_kind == "plain":
         return (
-            "The checkpoint was saved from a model without FP8 state there (a plain model). Load it into the plain "
-            "template and convert after: `fp8ax.fp8_linear_layers(fp8ax.tree_deserialise_leaves(path, "
-            "fp8ax.strip_fp8(like)), config)`."
+            "Load it into the plain template and convert after: `fp8ax.fp8_linear_layers("
+            "fp8ax.tree_deserialise_leaves(path, fp8ax.strip_fp8(like)), config)`."
         )
     if like_kind == "plain" and ckpt_kind == "fp8":
         return (
-            "The checkpoint holds FP8 training state there: it was saved from a model converted by "
-            "`fp8ax.fp8_linear_layers`. Build the template the same way, `fp8ax.fp8_linear_layers(like, config)` "
-            "with the config it was trained with; `fp8ax.strip_fp8` of the loaded model gives the plain model."
+            "It was saved from a model converted by `fp8ax.fp8_linear_layers`: build the template the same way, "
+            "`fp8ax.fp8_linear_layers(like, config)` with the config it was trained with (`fp8ax.strip_fp8` of the "
+            "loaded model gives the plain model)."
         )
     if ckpt_kind == "serving":
         return (
-            "The checkpoint holds a serving model (`fp8ax.to_serving`: low-precision weights). Load it into "
-            "`fp8ax.serving_template(fp8ax.fp8_linear_layers(plain_model, config))`, with the config the model was "
-            "trained with. A serving checkpoint cannot become a training model again: the float weights were not "
-            "kept."
+            "Load it into `fp8ax.serving_template(fp8ax.fp8_linear_layers(plain_model, config))`, with the config "
+            "the model was trained with. A serving checkpoint cannot become a training model again: the float "
+            "weights were not kept."
         )
-    if like_kind == "serving":
-        return (
-            f"The checkpoint holds {'a plain' if ckpt_kind == 'plain' else 'an FP8 training'} model there, not a "
-            "serving one. Load it into its training template (the plain model, or "
-            "`fp8ax.fp8_linear_layers(model, config)`) and convert that with `fp8ax.to_serving` (a plain model: "
-            "`fp8ax.fp8_linear_layers`, `fp8ax.calibrate`, then `fp8ax.to_serving`)."
-        )
-    return ""
+    return (
+        "A serving model is made from its training model: load the checkpoint into that (the plain model, or "
+        "`fp8ax.fp8_linear_layers(model, config)`) and convert it with `fp8ax.to_serving` (a plain model: "
+        "`fp8ax.fp8_linear_layers`, `fp8ax.calibrate`, then `fp8ax.to_serving`)."
+    )
 
 
 def _weight_shape(layer) -> tuple[int, ...]:
