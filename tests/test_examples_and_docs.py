@@ -98,7 +98,7 @@ def test_lm_example_prints_the_loss_table_and_saves_the_plot(tmp_path):
 def test_serving_example_serves_what_it_trained(tmp_path):
     tiny = ["--layers", "1", "--seq", "16", "--batch", "4", "--embed", "32", "--generate", "10"]
     out = _run_example(ROOT / "examples" / "serving.py", *tiny, cwd=tmp_path)
-    held = dict(re.findall(r"^  (bf16|fp8 trained|fp8 served|PTQ fp8 \(from bf16\)) +([\d.]+)", out, re.MULTILINE))
+    held = dict(re.findall(r"^  (bf16|fp8 trained|fp8 served|PTQ fp8 \(from bf16\)) +(\d+\.\d{4})  \(", out, re.MULTILINE))
     assert set(held) == {"bf16", "fp8 trained", "fp8 served", "PTQ fp8 (from bf16)"}, out
     assert held["fp8 served"] == held["fp8 trained"], out
     assert all(0 < float(v) < 10 for v in held.values()), out
