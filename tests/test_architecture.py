@@ -10,7 +10,7 @@ Layers, bottom to top (a module may import from its own layer or lower ones only
 3. the GEMM pipeline and its settings;
 4. modules: `Fp8DotGeneral`, `Fp8Config` (which builds them);
 5. model-level functions: the transform (with `Fp8Linear`), updates, accumulation,
-   distribution, casting, inspection.
+   distribution, casting, inspection, serving.
 """
 
 import ast
@@ -26,7 +26,8 @@ LAYERS = [
     {"_recipes", "_current"},
     {"_settings", "_pipeline"},
     {"_dot_general", "_config"},
-    {"_transform", "_update", "_accumulate", "_distributed", "_cast", "_inspect", "_calibrate", "_report", "_stats"},
+    {"_transform", "_update", "_accumulate", "_distributed", "_cast", "_inspect", "_calibrate", "_report", "_stats",
+     "_serving", "_checkpoint"},
 ]
 
 

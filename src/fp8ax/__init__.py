@@ -30,6 +30,16 @@ from ._inspect import GemmReport as GemmReport, gemm_report as gemm_report
 from ._report import ConversionReport as ConversionReport, conversion_report as conversion_report
 from ._stats import plot_amax_history as plot_amax_history, scaling_stats as scaling_stats
 
+# serving
+from ._serving import (
+    ServingDotGeneral as ServingDotGeneral,
+    ServingHaliaxLinear as ServingHaliaxLinear,
+    ServingLinear as ServingLinear,
+    serving_template as serving_template,
+    to_serving as to_serving,
+)
+from ._checkpoint import tree_deserialise_leaves as tree_deserialise_leaves
+
 # modules and state
 from ._dot_general import Fp8DotGeneral as Fp8DotGeneral
 from ._transform import Fp8Linear as Fp8Linear

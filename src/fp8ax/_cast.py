@@ -5,13 +5,15 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
+from ._serving import ServingDotGeneral
 from ._state import ScalingState
 
 T = TypeVar("T")
 
 
 def cast_floating(model: T, dtype) -> T:
-    """Casts every floating-point array in `model` to `dtype`, except FP8 scaling state.
+    """Casts every floating-point array in `model` to `dtype`, except FP8 scaling state
+    and the scales of serving layers ([`fp8ax.to_serving`][]).
 
     The usual one-liner, `jax.tree.map(lambda x: x.astype(jnp.bfloat16) if eqx.is_inexact_array(x) else x, model)`,
     would also cast the scales and amax histories, which must stay float32 (an amax
@@ -25,7 +27,8 @@ def cast_floating(model: T, dtype) -> T:
 
     **Returns:**
 
-    A copy of `model` with its floating-point arrays cast, FP8 state untouched.
+    A copy of `model` with its floating-point arrays cast, FP8 state and serving scales
+    untouched.
     """
     try:
         dtype = np.dtype(dtype)
@@ -35,10 +38,10 @@ def cast_floating(model: T, dtype) -> T:
         raise TypeError(f"`dtype` must be a floating dtype, got {dtype}.")
 
     def cast(x):
-        if isinstance(x, ScalingState):
+        if isinstance(x, ScalingState | ServingDotGeneral):
             return x
         if eqx.is_inexact_array(x) and jnp.issubdtype(x.dtype, jnp.floating):
             return x.astype(dtype)
         return x
 
-    return jtu.tree_map(cast, model, is_leaf=lambda x: isinstance(x, ScalingState))
+    return jtu.tree_map(cast, model, is_leaf=lambda x: isinstance(x, ScalingState | ServingDotGeneral))

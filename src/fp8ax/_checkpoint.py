@@ -1,0 +1,239 @@
+# Loading an `eqx.tree_serialise_leaves` checkpoint with a check of its kind first.
+#
+# A checkpoint is a plain sequence of .npy records, one per array leaf, without names.
+# Loaded into a template of another kind (plain / FP8 training / serving), Equinox fails
+# at the first leaf whose shape or dtype differs, with a message that names a leaf deep
+# in a layer and says nothing about FP8; records left over at the end are ignored. Here
+# the records' shapes and dtypes are read first and compared with the template's; at the
+# first difference the layer is found, both kinds are told apart by the records of that
+# layer, and the error says what to call.
+
+import pathlib
+from typing import Any, BinaryIO, TypeVar
+
+import equinox as eqx
+import haliax as hax
+import haliax.nn as hnn
+import jax
+import jax.tree_util as jtu
+import numpy as np
+
+from ._dot_general import Fp8DotGeneral
+from ._serving import ServingHaliaxLinear, ServingLinear
+from ._transform import Fp8Linear, path_str
+
+T = TypeVar("T")
+
+_LAYERS = (hnn.Linear, eqx.nn.Linear, Fp8Linear, ServingLinear, ServingHaliaxLinear)
+
+
+def _records(f: BinaryIO) -> list[tuple[tuple[int, ...], str]]:
+    """`(shape, descr)` of every .npy record in `f` from its current position."""
+    out = []
+    while True:
+        start = f.tell()
+        if not f.read(1):
+            break
+        f.seek(start)
+        try:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+            else:
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+        except ValueError as e:
+            raise ValueError(f"The file is not an `eqx.tree_serialise_leaves` checkpoint (record {len(out)}: {e}).")
+        del fortran
+        f.seek(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, 1)
+        out.append((tuple(shape), _descr(dtype)))
+    return out
+
+
+def _descr(dtype: np.dtype) -> str:
+    # numpy writes bfloat16 and the 8-bit floats as raw bytes ("|V2", "|V1").
+    descr = np.lib.format.dtype_to_descr(dtype)
+    return "V" + descr[2:] if descr[:2] in ("<V", "|V", ">V") else descr
+
+
+def _writes_record(x) -> bool:
+    # What `eqx.default_serialise_filter_spec` saves (and its deserialiser reads).
+    return isinstance(x, jax.Array | np.ndarray | jax.ShapeDtypeStruct) or eqx.is_array_like(x)
+
+
+def _signature(x) -> tuple[tuple[int, ...], str | None]:
+    if isinstance(x, bool | int | float | complex):
+        return (), None  # a Python scalar: its dtype on disk depends on the x64 flag
+    return tuple(np.shape(x)), _descr(np.dtype(x.dtype))
+
+
+def _show(sig) -> str:
+    shape, descr = sig
+    names = {"V2": "bfloat16", "V1": "an 8-bit float"}
+    dtype = names.get(descr) or (np.dtype(descr).name if descr else "a Python scalar")
+    return f"{dtype}{list(shape)}"
+
+
+def _kind_of_layer(layer) -> str:
+    if isinstance(layer, ServingLinear | ServingHaliaxLinear):
+        return "serving"
+    if isinstance(layer, Fp8Linear) or (isinstance(layer, hnn.Linear) and isinstance(layer.dot_general, Fp8DotGeneral)):
+        dg = layer.dot_general
+        return "fp8" if dg.lhs is not None else "fp8-stateless"
+    return "plain"
+
+
+_DESCRIBE = {
+    "plain": "a plain layer (high-precision weight, no FP8 state)",
+    "fp8": "an FP8 training layer (high-precision weight and its delayed-scaling state)",
+    "fp8-stateless": "an FP8 training layer with a stateless recipe (its arrays are a plain layer's)",
+    "serving": "a serving layer (`fp8ax.to_serving`: low-precision weight and scales)",
+}
+
+
+def _kind_of_records(records, start: int, weight_shape, n_own: int) -> str | None:
+    """The kind of the layer whose records begin at `start` in the checkpoint, judged
+    from the records (`n_own`: the weight and bias leaves every kind has)."""
+    if start >= len(records):
+        return None
+    shape, descr = records[start]
+    if shape != tuple(weight_shape):
+        return None
+    if descr in ("|u1", "|i1"):
+        return "serving"
+    after = records[start + n_own : start + n_own + 6]
+    if len(after) == 6 and all(d == "<f4" for _, d in after):
+        # Six float32 arrays: scale (batch), history (batch + (H,)) for lhs, rhs, grad.
+        batch = tuple(weight_shape[: len(after[0][0])])
+        if all(after[i][0] == batch for i in (0, 2, 4)) and all(after[i][0][:-1] == batch for i in (1, 3, 5)):
+            return "fp8"
+    return "plain"
+
+
+def _advice(like_kind: str, ckpt_kind: str | None) -> str:
+    like_kind = "plain" if like_kind == "fp8-stateless" else like_kind
+    if ckpt_kind is None or ckpt_kind == like_kind:
+        return (
+            "The layer is of the same kind in both but its arrays differ: a different model, dtype (a model cast "
+            "with `fp8ax.cast_floating`) or FP8 config (recipe, `history_length`, `targets`). Build `like` exactly "
+            "as the saved model was built."
+        )
+    if like_kind == "fp8" and ckpt_kind == "plain":
+        return (
+            "Load it into the plain template and convert after: `fp8ax.fp8_linear_layers("
+            "fp8ax.tree_deserialise_leaves(path, fp8ax.strip_fp8(like)), config)`."
+        )
+    if like_kind == "plain" and ckpt_kind == "fp8":
+        return (
+            "It was saved from a model converted by `fp8ax.fp8_linear_layers`: build the template the same way, "
+            "`fp8ax.fp8_linear_layers(like, config)` with the config it was trained with (`fp8ax.strip_fp8` of the "
+            "loaded model gives the plain model)."
+        )
+    if ckpt_kind == "serving":
+        return (
+            "Load it into `fp8ax.serving_template(fp8ax.fp8_linear_layers(plain_model, config))`, with the config "
+            "the model was trained with. A serving checkpoint cannot become a training model again: the float "
+            "weights were not kept."
+        )
+    return (
+        "A serving model is made from its training model: load the checkpoint into that (the plain model, or "
+        "`fp8ax.fp8_linear_layers(model, config)`) and convert it with `fp8ax.to_serving` (a plain model: "
+        "`fp8ax.fp8_linear_layers`, `fp8ax.calibrate`, then `fp8ax.to_serving`)."
+    )
+
+
+def _weight_shape(layer) -> tuple[int, ...]:
+    w = layer.weight
+    return tuple(w.array.shape) if isinstance(w, hax.NamedArray) else tuple(np.shape(w))
+
+
+def check_checkpoint(path_or_file, like) -> None:
+    """Raises a `ValueError` if the checkpoint at `path_or_file` does not fit `like`
+    (see [`fp8ax.tree_deserialise_leaves`][])."""
+    records = _read(path_or_file, _records)
+    leaves = [(p, x) for p, x in jtu.tree_flatten_with_path(like)[0] if _writes_record(x)]
+    layers = []  # (path, layer, index of its first record-writing leaf, index after its last)
+    for lp, lx in jtu.tree_flatten_with_path(like, is_leaf=lambda x: isinstance(x, _LAYERS))[0]:
+        if isinstance(lx, _LAYERS):
+            own = [j for j, (p, _) in enumerate(leaves) if tuple(p[: len(lp)]) == tuple(lp)]
+            if own:
+                layers.append((lp, lx, own[0], own[-1] + 1))
+    for i, (path, leaf) in enumerate(leaves):
+        want = _signature(leaf)
+        got = records[i] if i < len(records) else None
+        if got is not None and got[0] == want[0] and (want[1] is None or got[1] == want[1]):
+            continue
+        found = "nothing (the checkpoint ends there)" if got is None else _show(got)
+        where = f"leaf {i} (`{path_str(path)}`) of `like` is {_show(want)}, but the checkpoint holds {found}"
+        # The layer the leaf is in, and the layer before it: its records all matched, but
+        # the checkpoint may hold more of them (FP8 state) where `like`'s next leaf is.
+        current = [entry for entry in layers if entry[2] <= i < entry[3]]
+        before = [entry for entry in layers if entry[3] <= i][-1:]
+        candidates = (before if not current or current[0][2] == i else []) + current
+        if not candidates:
+            raise ValueError(f"The checkpoint does not fit `like`: {where}. It was saved from another model.")
+        for lp, lx, first, _ in candidates:
+            like_kind = _kind_of_layer(lx)
+            n_own = 1 + (getattr(lx, "bias", None) is not None)
+            ckpt_kind = _kind_of_records(records, first, _weight_shape(lx), n_own)
+            if ckpt_kind is not None and ckpt_kind != like_kind.replace("-stateless", ""):
+                break
+        else:
+            lp, lx, first, _ = candidates[-1]
+            like_kind, ckpt_kind = _kind_of_layer(lx), None
+        told = f" The checkpoint holds {_DESCRIBE[ckpt_kind]} there." if ckpt_kind else ""
+        raise ValueError(
+            f"The checkpoint does not fit `like` at layer `{path_str(lp)}`: `like` has {_DESCRIBE[like_kind]} "
+            f"there.{told} {_advice(like_kind, ckpt_kind)} (First difference: {where}.)"
+        )
+    if len(records) > len(leaves):
+        raise ValueError(
+            f"The checkpoint holds {len(records)} arrays but `like` has {len(leaves)}: all of `like` matched, "
+            f"and {len(records) - len(leaves)} more follow (the next is {_show(records[len(leaves)])}). It was saved "
+            "from a bigger tree, e.g. `(model, opt_state)`, or from a model with FP8 state after its last layer "
+            "of `like`: load it into a `like` of the same structure."
+        )
+
+
+def _read(path_or_file, fn):
+    if isinstance(path_or_file, str | pathlib.Path):
+        path = pathlib.Path(path_or_file)
+        if path.suffix == "":
+            path = path.with_suffix(".eqx")  # as `eqx.tree_serialise_leaves` names it
+        with open(path, "rb") as f:
+            return fn(f)
+    start = path_or_file.tell()
+    try:
+        return fn(path_or_file)
+    finally:
+        path_or_file.seek(start)
+
+
+def tree_deserialise_leaves(path_or_file: str | pathlib.Path | BinaryIO, like: T) -> T:
+    """`eqx.tree_deserialise_leaves(path_or_file, like)`, after a check that the
+    checkpoint is of the kind `like` is: plain, FP8 training ([`fp8ax.fp8_linear_layers`][])
+    or serving ([`fp8ax.to_serving`][]).
+
+    Equinox loads a checkpoint leaf by leaf: into a template of another kind it fails with
+    a shape or dtype error about some leaf (an amax history, a weight), and it ignores
+    records left over at the end. This reads the shapes and dtypes of all the records
+    first. At the first one that differs from `like`, it names the layer, says which kind
+    `like` and the checkpoint have there, and what to call: load a plain checkpoint into
+    [`fp8ax.strip_fp8`][]`(like)` and convert after, build an FP8 template with
+    [`fp8ax.fp8_linear_layers`][], a serving template with [`fp8ax.serving_template`][].
+
+    **Arguments:**
+
+    - `path_or_file`: as for `eqx.tree_deserialise_leaves` (a path without a suffix gets
+      `.eqx`, as there).
+    - `like`: the template, of the same structure as the saved tree.
+
+    **Returns:**
+
+    The loaded tree.
+
+    **Raises:**
+
+    `ValueError` if the checkpoint does not fit `like` (also when it holds more arrays).
+    """
+    check_checkpoint(path_or_file, like)
+    return eqx.tree_deserialise_leaves(path_or_file, like)

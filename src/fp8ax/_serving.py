@@ -1,0 +1,576 @@
+# Serving: the weights of FP8 layers quantised once and stored in low precision.
+#
+# `to_serving` quantises every FP8 layer's weight with the layer's recipe and state, as
+# the training forward would quantise it, and keeps only the low-precision values and
+# their scale. At a call, the activation is quantised as in training (delayed scaling:
+# with the scale the frozen state gives; other recipes: from the activation itself) and
+# the GEMM is the training pipeline's own (`_pipeline._gemm`), so the output is the
+# training forward's, bit for bit.
+#
+# Storage. `eqx.tree_serialise_leaves` cannot save 8-bit float dtypes (numpy writes them
+# as raw bytes that do not load back), so values are stored as their bit patterns:
+# uint8 for FP8 (and E8M0 scales), one 4-bit code per uint8 for FP4, int8 as int8.
+# Decoding is a bitcast (exact) inside the forward.
+
+import functools
+from typing import Any, Literal, NamedTuple, TypeVar
+
+import equinox as eqx
+import haliax as hax
+import haliax.nn as hnn
+import haliax.quantization as haxq
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax import lax
+from jax.custom_derivatives import SymbolicZero
+from jaxtyping import Array, PRNGKeyArray
+
+from . import _formats
+from ._dot_general import Fp8DotGeneral, _check_operand, _out_dtype
+from ._layout import check_dimension_numbers
+from ._pipeline import Call, _gemm, _quantise, vma
+from ._quantized import QuantizedArray
+from ._recipes import DelayedScaling
+from ._settings import GemmSettings
+from ._transform import Fp8Linear, path_str
+
+T = TypeVar("T")
+
+_FP4 = np.dtype(jnp.float4_e2m1fn)
+_E8M0 = np.dtype(jnp.float8_e8m0fnu)
+
+
+# --------------------------------------------------------------------------- storage
+
+
+def _storable(dtype: np.dtype, layer: str) -> None:
+    if dtype == np.dtype(np.int8) or dtype in _formats.FP8_DTYPES or dtype in (_FP4, _E8M0):
+        return
+    raise ValueError(
+        f"Layer `{layer}`: its weight is quantised to {dtype}, which `fp8ax.to_serving` cannot store (it stores "
+        "FP8, E8M0, FP4 (e2m1) and int8). Exclude the layer from the FP8 conversion, or train it with another "
+        "element type."
+    )
+
+
+def encode(values: Array) -> Array:
+    """Low-precision values as an array `eqx.tree_serialise_leaves` can save: int8 as it
+    is, 8-bit floats as their bits (uint8), FP4 as one 4-bit code per uint8."""
+    dtype = np.dtype(values.dtype)
+    if dtype == np.dtype(np.int8):
+        return values
+    if dtype == _FP4:
+        # XLA bitcasts pairs of FP4 values into one byte (element 0 in the low nibble).
+        n = values.shape[-1]
+        padded = jnp.pad(values, [(0, 0)] * (values.ndim - 1) + [(0, n % 2)])
+        packed = lax.bitcast_convert_type(padded.reshape(*values.shape[:-1], -1, 2), jnp.uint8)
+        codes = jnp.stack([packed & jnp.uint8(15), packed >> jnp.uint8(4)], axis=-1)
+        return codes.reshape(*values.shape[:-1], -1)[..., :n]
+    return lax.bitcast_convert_type(values, jnp.uint8)
+
+
+def decode(stored: Array, dtype: np.dtype) -> Array:
+    """Inverse of `encode` (bit-exact)."""
+    dtype = np.dtype(dtype)
+    if dtype == np.dtype(np.int8):
+        return stored
+    if dtype == _FP4:
+        n = stored.shape[-1]
+        padded = jnp.pad(stored, [(0, 0)] * (stored.ndim - 1) + [(0, n % 2)])
+        pairs = padded.reshape(*stored.shape[:-1], -1, 2)
+        packed = pairs[..., 0] | (pairs[..., 1] << jnp.uint8(4))
+        values = lax.bitcast_convert_type(packed, dtype)
+        return values.reshape(*stored.shape[:-1], -1)[..., :n]
+    return lax.bitcast_convert_type(stored, dtype)
+
+
+# --------------------------------------------------------------------------- the GEMM
+
+
+class _Serve(NamedTuple):
+    """The static part of one serving GEMM (hashable: a custom-JVP static argument)."""
+
+    call: Call
+    role: Literal["lhs", "rhs"]  # which operand of the dot general is the stored weight
+    layer: str
+    block_axis: int | None  # the weight's MX layout (QuantizedArray's static fields)
+    block_size: int | None
+    int_exponent: int
+
+
+def _serve(s: _Serve, x, w_values, w_scale, x_scale):
+    call = s.call
+    st = call.settings
+    (lc, rc), _ = call.dims
+    x_role = "rhs" if s.role == "lhs" else "lhs"
+    x_axes = rc if s.role == "lhs" else lc
+    if x_scale is not None:  # delayed scaling: the frozen activation scale
+        dtype = st.operand_recipe(x_role).fwd_dtype
+        qx = QuantizedArray(_formats.quantize(x, x_scale, dtype), x_scale)
+    else:
+        qx, _ = _quantise(call, x_role, x, x_axes)
+    if np.dtype(w_scale.dtype) == np.dtype(np.uint8):
+        w_scale = lax.bitcast_convert_type(w_scale, _E8M0)
+    qw = QuantizedArray(w_values, w_scale, s.block_axis, s.block_size, s.int_exponent)
+    if s.role == "rhs":
+        return _gemm(call, qx, x, qw, None, call.dims, call.fwd_precision, call.out_dtype)
+    return _gemm(call, qw, None, qx, x, call.dims, call.fwd_precision, call.out_dtype)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _serving_gemm(s: _Serve, x, w_values, w_scale, x_scale):
+    return _serve(s, x, w_values, w_scale, x_scale)
+
+
+def _serving_gemm_jvp(s, primals, tangents):
+    del primals
+    names = ("its input", "its weight", "its weight scale", "its activation scale")
+    what = [n for n, t in zip(names, tangents) if t is not None and not isinstance(t, SymbolicZero)]
+    raise TypeError(
+        f"Layer `{s.layer}` is a serving layer (`fp8ax.to_serving`): its weight is stored in low precision and "
+        f"it cannot be differentiated (a derivative reached {' and '.join(what) or 'it'}). A gradient through "
+        "quantised weights would be silently wrong or zero. Differentiate (train, fine-tune) the training model "
+        "that `fp8ax.to_serving` was called on instead, and convert again."
+    )
+
+
+_serving_gemm.defjvp(_serving_gemm_jvp, symbolic_zeros=True)
+
+
+def _is_low_precision(dtype) -> bool:
+    dtype = np.dtype(dtype)
+    return dtype.itemsize == 1 or dtype == _FP4
+
+
+class ServingDotGeneral(eqx.Module):
+    """The dot general of a serving layer: one operand is the layer's stored
+    low-precision weight, the other (the activation) is quantised at every call.
+
+    Built by [`fp8ax.to_serving`][]; it computes exactly what the training layer's
+    [`fp8ax.Fp8DotGeneral`][] computed in its forward pass, from the weight's quantised
+    values instead of the weight. It holds the weight's scale (`weight_scale`), and for
+    delayed scaling the activation scale frozen at conversion (`input_scale`; `None` for
+    recipes that scale the activation from itself). It updates no state and cannot be
+    differentiated: a derivative through it raises a `TypeError` that names the layer.
+    """
+
+    weight_scale: Array
+    input_scale: Array | None
+    settings: GemmSettings = eqx.field(static=True)
+    weight_dtype: np.dtype = eqx.field(static=True)  # the training weight's dtype (before `compute_dtype`)
+    value_dtype: np.dtype = eqx.field(static=True)  # the low-precision format of the stored values
+    block_axis: int | None = eqx.field(static=True)
+    block_size: int | None = eqx.field(static=True)
+    int_exponent: int = eqx.field(static=True)
+    layer: str = eqx.field(static=True)  # the layer's path in the model, for messages
+
+    @jax.named_scope("fp8ax.ServingDotGeneral")
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None) -> Array:
+        """`jax.lax.dot_general(lhs, rhs, dimension_numbers, precision,
+        preferred_element_type)` where one of `lhs`, `rhs` is the stored weight's
+        low-precision values (as the layer passes them) and the other the activation.
+
+        **Returns:**
+
+        What the training layer's [`fp8ax.Fp8DotGeneral`][] returned for the same
+        activation, bit for bit.
+        """
+        lhs_lp = _is_low_precision(getattr(lhs, "dtype", np.float32))
+        rhs_lp = _is_low_precision(getattr(rhs, "dtype", np.float32))
+        if lhs_lp == rhs_lp:
+            raise TypeError(
+                f"Layer `{self.layer}`: a serving dot general takes the stored weight ({self.value_dtype}) and one "
+                f"floating-point activation, got operands of dtype {getattr(lhs, 'dtype', None)} and "
+                f"{getattr(rhs, 'dtype', None)}."
+            )
+        role = "lhs" if lhs_lp else "rhs"
+        w, x = (lhs, rhs) if lhs_lp else (rhs, lhs)
+        if np.dtype(w.dtype) != self.value_dtype:
+            raise TypeError(f"Layer `{self.layer}`: the weight must be {self.value_dtype}, got {w.dtype}.")
+        self._check_scales()
+        st = self.settings
+        x = _check_operand(x, "lhs" if role == "rhs" else "rhs")
+        w_dtype = self.weight_dtype
+        if st.compute_dtype is not None:
+            x = x.astype(st.compute_dtype)
+            w_dtype = st.compute_dtype
+        if role == "lhs":
+            if self.input_scale is not None or st.operand_recipe("lhs") != st.operand_recipe("rhs"):
+                raise ValueError(
+                    f"Layer `{self.layer}`: `hax.dot` passed the weight as the first operand of the dot general "
+                    "(it does when the input shares a non-contracted axis with the weight), so in training the "
+                    "weight was quantised as the activation (`lhs`) and the activation as the weight, with the "
+                    "other operand's state or recipe. A serving layer cannot reproduce that: serve this layer "
+                    "with a stateless recipe and one recipe for both operands, or exclude it from the FP8 "
+                    "conversion."
+                )
+            lhs_shape, lhs_dtype, rhs_shape, rhs_dtype = w.shape, w_dtype, x.shape, np.dtype(x.dtype)
+        else:
+            lhs_shape, lhs_dtype, rhs_shape, rhs_dtype = x.shape, np.dtype(x.dtype), w.shape, w_dtype
+        dims = check_dimension_numbers(dimension_numbers, lhs_shape, rhs_shape)
+        if preferred_element_type is not None:
+            preferred_element_type = np.dtype(preferred_element_type)
+        out_dtype = _out_dtype(lhs_shape, lhs_dtype, rhs_shape, rhs_dtype, dims, preferred_element_type)
+        call = Call(
+            settings=st,
+            dims=dims,
+            lhs_dtype=lhs_dtype,
+            rhs_dtype=rhs_dtype,
+            out_dtype=out_dtype,
+            fwd_precision=st.fwd_precision if st.fwd_precision is not None else precision,
+            state_is_max=(),
+            lhs_vma=vma(lhs),
+            rhs_vma=vma(rhs),
+        )
+        s = _Serve(call, role, self.layer, self.block_axis, self.block_size, self.int_exponent)
+        return _serving_gemm(s, x, w, self.weight_scale, self.input_scale)
+
+    def _check_scales(self):
+        want = np.dtype(np.uint8) if self.block_axis is not None else np.dtype(np.float32)
+        for name, value in (("weight_scale", self.weight_scale), ("input_scale", self.input_scale)):
+            if value is not None and np.dtype(value.dtype) != (want if name == "weight_scale" else np.float32):
+                raise TypeError(
+                    f"Layer `{self.layer}`: `{name}` has dtype {value.dtype}, but a serving scale must stay as "
+                    "converted (float32, or uint8 bits of E8M0). It was probably cast along with the model: cast "
+                    "with `fp8ax.cast_floating(model, dtype)`, which leaves serving scales alone."
+                )
+
+    # Haliax state dicts: the serving scales are not plain weights; exports hold none.
+    def to_state_dict(self, prefix: str | None = None) -> dict:
+        """Haliax state-dict hook: no entries."""
+        del prefix
+        return {}
+
+    def from_state_dict(self, state_dict: dict, prefix: str | None = None) -> "ServingDotGeneral":
+        """Haliax state-dict hook: keeps this module as it is."""
+        del state_dict, prefix
+        return self
+
+
+# --------------------------------------------------------------------------- layers
+
+
+class ServingLinear(eqx.Module):
+    """The serving form of an [`fp8ax.Fp8Linear`][] (an `equinox.nn.Linear` trained in
+    FP8): the weight is stored quantised, as `weight` (encoded: uint8 bits for FP8, int8
+    for int8) and the scale in `dot_general`.
+
+    Built by [`fp8ax.to_serving`][]. Called like `equinox.nn.Linear` (leading batch
+    dimensions allowed, as for [`fp8ax.Fp8Linear`][]); returns what the training layer
+    returned, bit for bit.
+    """
+
+    weight: Array
+    bias: Array | None
+    dot_general: ServingDotGeneral
+    in_features: int | Literal["scalar"] = eqx.field(static=True)
+    out_features: int | Literal["scalar"] = eqx.field(static=True)
+    use_bias: bool = eqx.field(static=True)
+
+    @jax.named_scope("fp8ax.ServingLinear")
+    def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
+        """**Arguments:**
+
+        - `x`: the input, shape `(..., in_features)` (or `()` if `in_features="scalar"`).
+        - `key`: ignored. (Keyword only argument.)
+
+        **Returns:**
+
+        The output, shape `(..., out_features)` (or `(...)` if `out_features="scalar"`).
+        """
+        del key
+        if self.in_features == "scalar":
+            if jnp.shape(x) != ():
+                raise ValueError(f"`x` must be a scalar for in_features='scalar', got shape {jnp.shape(x)}.")
+            x = jnp.broadcast_to(x, (1,))
+        elif jnp.ndim(x) < 1 or jnp.shape(x)[-1] != self.in_features:
+            raise ValueError(f"`x` must have shape (..., {self.in_features}), got {jnp.shape(x)}.")
+        x = jnp.asarray(x)
+        w = decode(self.weight, self.dot_general.value_dtype)
+        y = self.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
+        if self.bias is not None:
+            with jax.numpy_dtype_promotion("standard"):
+                y = y + jnp.broadcast_to(self.bias, y.shape)
+        if self.out_features == "scalar":
+            y = y[..., 0]
+        return y
+
+
+class ServingHaliaxLinear(eqx.Module):
+    """The serving form of a `haliax.nn.Linear` trained in FP8: `weight` is a
+    `NamedArray` with the original weight's axes holding the quantised values (encoded:
+    uint8 bits for FP8, int8 for int8), the scale is in `dot_general`.
+
+    Built by [`fp8ax.to_serving`][]. Called like `haliax.nn.Linear`; returns what the
+    training layer returned, bit for bit. Inside `haliax.nn.Stacked` the stacked axis
+    stays the leading axis of every array, as for the training layer's state.
+    """
+
+    weight: hax.NamedArray
+    bias: hax.NamedArray | None
+    dot_general: ServingDotGeneral
+    In: Any = eqx.field(static=True)
+    Out: Any = eqx.field(static=True)
+
+    @jax.named_scope("fp8ax.ServingHaliaxLinear")
+    def __call__(self, inputs: hax.NamedArray, *, key: PRNGKeyArray | None = None) -> hax.NamedArray:
+        """**Arguments:**
+
+        - `inputs`: a `NamedArray` with the layer's `In` axes.
+        - `key`: ignored. (Keyword only argument.)
+
+        **Returns:**
+
+        A `NamedArray` with the `In` axes replaced by `Out`.
+        """
+        del key
+        w = hax.NamedArray(decode(self.weight.array, self.dot_general.value_dtype), self.weight.axes)
+        # `haliax.nn.Linear` lets `hax.dot` pick the result dtype from the two operands;
+        # the training weight's dtype stands in for the stored values'.
+        preferred = jnp.result_type(inputs.array, self.dot_general.weight_dtype)
+        q = hax.dot(inputs, w, axis=self.In, preferred_element_type=preferred, dot_general=self.dot_general)
+        q = hax.auto_sharded(q)
+        if self.bias is not None:
+            q = q + self.bias
+            q = hax.auto_sharded(q)
+        return q
+
+
+ServingLayer = ServingLinear | ServingHaliaxLinear
+
+
+def _is_serving(x) -> bool:
+    return isinstance(x, ServingLinear | ServingHaliaxLinear)
+
+
+# --------------------------------------------------------------------------- conversion
+
+
+def _axis_names(spec) -> set[str]:
+    return {spec.name} if isinstance(spec, hax.Axis) else {a.name for a in spec}
+
+
+def _vmapped(f, n: int):
+    for _ in range(n):
+        f = jax.vmap(f)
+    return f
+
+
+def _check_filled(layer: str, dg: Fp8DotGeneral, stacked: str) -> None:
+    for role, what in (("lhs", "activation"), ("rhs", "weight")):
+        history = getattr(dg, role).amax_history
+        if isinstance(history, jax.core.Tracer):
+            raise ValueError("`fp8ax.to_serving` reads the FP8 state, so it must be called outside `jax.jit`.")
+        empty = np.max(np.asarray(history), axis=-1) == 0
+        if np.any(empty):
+            where = ""
+            if empty.ndim:
+                where = f" (stacked entries {[tuple(int(i) for i in ix) for ix in np.argwhere(empty)][:8]} of {stacked})"
+            raise ValueError(
+                f"Layer `{layer}`{where} has an empty {what} amax history (`{role}`): it never saw a nonzero "
+                f"{what} with this FP8 state, so there is no delayed scale to freeze for serving. Run it on a few "
+                "batches first with `fp8ax.calibrate(model, loss_fn, batches)` (post-training quantisation: any "
+                "scalar function of the output will do as `loss_fn`), or exclude the layer from the FP8 "
+                "conversion (`Fp8Config(targets=...)`)."
+            )
+
+
+def _convert_gemm(layer: str, dg: Fp8DotGeneral, w: Array, contracting: tuple[int, ...], n_batch: int,
+                  check: bool, stacked: str) -> tuple[Array, ServingDotGeneral]:
+    """The stored weight (encoded) and the serving dot general of one FP8 GEMM whose
+    weight `w` (`n_batch` leading stacked dims) the training forward passes as `rhs`,
+    contracting `contracting` (axes of one stacked entry)."""
+    st = dg.settings
+    recipe = st.operand_recipe("rhs")
+    if recipe is None or "fwd" in st.high_precision_gemms:
+        raise ValueError(
+            f"Layer `{layer}` keeps its weight in high precision in the forward GEMM (`rhs_recipe='off'` or "
+            "`high_precision_gemms` with 'fwd'), so it has no low-precision weight to serve. Exclude it from the "
+            "FP8 conversion (`Fp8Config(targets=...)`) to serve it as a plain layer."
+        )
+    if st.recipe.stateful and not isinstance(st.recipe, DelayedScaling):
+        raise ValueError(
+            f"Layer `{layer}` uses the stateful recipe {type(st.recipe).__name__}; `fp8ax.to_serving` serves "
+            "`DelayedScaling` and the stateless recipes."
+        )
+    weight_dtype = np.dtype(w.dtype)
+    if st.compute_dtype is not None:
+        w = w.astype(st.compute_dtype)
+    delayed = st.recipe.stateful
+    if delayed and check:
+        _check_filled(layer, dg, stacked)
+    dtype = recipe.fwd_dtype
+
+    def quantise(w, state):
+        return recipe.quantize_operand(w, contracting, dtype, state=state)[0]
+
+    state = (dg.rhs.scale, dg.rhs.amax_history) if delayed else None
+    q = eqx.filter_jit(_vmapped(quantise, n_batch))(w, state)
+    _storable(np.dtype(q.values.dtype), layer)
+    input_scale = None
+    if delayed:
+        lhs_dtype = st.operand_recipe("lhs").fwd_dtype
+        fp8_max = _formats.fp8_max(lhs_dtype)
+
+        def frozen(scale, history):
+            return st.recipe.scale_for_call(scale, history, jnp.zeros((), jnp.float32), fp8_max)
+
+        input_scale = eqx.filter_jit(_vmapped(frozen, n_batch))(dg.lhs.scale, dg.lhs.amax_history)
+    scale = q.scale
+    if np.dtype(scale.dtype) == _E8M0:
+        scale = lax.bitcast_convert_type(scale, jnp.uint8)
+    serving = ServingDotGeneral(
+        weight_scale=scale,
+        input_scale=input_scale,
+        settings=st,
+        weight_dtype=weight_dtype,
+        value_dtype=np.dtype(q.values.dtype),
+        block_axis=q.block_axis,
+        block_size=q.block_size,
+        int_exponent=q.int_exponent,
+        layer=layer,
+    )
+    return eqx.filter_jit(encode)(q.values), serving
+
+
+def _convert_eqx(layer: str, lin: Fp8Linear, check: bool) -> ServingLinear:
+    n_batch = lin.weight.ndim - 2
+    weight, dg = _convert_gemm(layer, lin.dot_general, lin.weight, (1,), n_batch, check,
+                               f"the leading weight dims {lin.weight.shape[:n_batch]}")
+    return ServingLinear(weight, lin.bias, dg, lin.in_features, lin.out_features, lin.use_bias)
+
+
+def _convert_haliax(layer: str, lin: hnn.Linear, check: bool) -> ServingHaliaxLinear:
+    own = _axis_names(lin.In) | _axis_names(lin.Out)
+    names = [ax.name for ax in lin.weight.axes]
+    n_batch = sum(n not in own for n in names)
+    if any(n not in own for n in names[n_batch:]):
+        raise ValueError(
+            f"Layer `{layer}`: the stacked axes of its weight {lin.weight.axes} must come first (as "
+            "`haliax.nn.Stacked` puts them) for `fp8ax.to_serving`."
+        )
+    # The training call multiplies the weight by the reparametrisation's scale first.
+    w = (lin.weight * lin.reparam.active_scale).array
+    in_names = _axis_names(lin.In)
+    contracting = tuple(i for i, n in enumerate(names[n_batch:]) if n in in_names)
+    stacked = f"the stacked axes {lin.weight.axes[:n_batch]}"
+    weight, dg = _convert_gemm(layer, lin.dot_general, w, contracting, n_batch, check, stacked)
+    return ServingHaliaxLinear(hax.NamedArray(weight, lin.weight.axes), lin.bias, dg, lin.In, lin.Out)
+
+
+def _is_node(x) -> bool:
+    return isinstance(x, hnn.Linear | eqx.nn.Linear | Fp8Linear) or _is_serving(x)
+
+
+def _convert(model, check: bool):
+    converted = []
+
+    def convert(path, node):
+        if not _is_node(node):
+            return node
+        layer = path_str(path) or "(the model itself)"
+        if _is_serving(node):
+            raise ValueError(
+                f"Layer `{layer}` is already a serving layer: `fp8ax.to_serving` was called on this model "
+                "before. Convert the training model once; a serving model cannot be converted again."
+            )
+        if isinstance(node, Fp8Linear):
+            converted.append(layer)
+            return _convert_eqx(layer, node, check)
+        if isinstance(node, hnn.Linear) and isinstance(node.dot_general, Fp8DotGeneral):
+            converted.append(layer)
+            return _convert_haliax(layer, node, check)
+        if isinstance(node, hnn.Linear) and isinstance(node.dot_general, haxq.Fp8DotGeneralOp | haxq.Int8DotGeneralOp):
+            raise ValueError(
+                f"Layer `{layer}` uses Haliax's own {type(node.dot_general).__name__}, which `fp8ax.to_serving` "
+                "cannot convert. Convert the model with `fp8ax.fp8_linear_layers` instead of "
+                "`haliax.quantization.quantize_linear_layers`."
+            )
+        return node  # a plain layer (exempt from FP8): served as it is
+
+    out = jtu.tree_map_with_path(convert, model, is_leaf=_is_node)
+    if not converted:
+        raise ValueError(
+            f"`fp8ax.to_serving` found no FP8 layer in `model` (a {type(model).__name__}). Convert the model with "
+            "`fp8ax.fp8_linear_layers(model, config)` first (and, for delayed scaling, train or "
+            "`fp8ax.calibrate` it)."
+        )
+    return out
+
+
+def to_serving(model: T) -> T:
+    """Converts a model trained (or calibrated) in FP8 for serving: each FP8 layer's
+    weight is quantised once, with the layer's recipe and state, and stored in low
+    precision. The float weight is not kept.
+
+    - An [`fp8ax.Fp8Linear`][] becomes an [`fp8ax.ServingLinear`][]; a
+      `haliax.nn.Linear` with an [`fp8ax.Fp8DotGeneral`][] (also inside
+      `haliax.nn.Stacked`) becomes an [`fp8ax.ServingHaliaxLinear`][]. Plain layers (not
+      converted to FP8, e.g. by `Fp8Config(targets=...)`) are left as they are.
+    - Stored: FP8 values (as uint8 bits) for FP8 recipes, int8 values for
+      [`fp8ax.Int8Scaling`][], elements and E8M0 scales for [`fp8ax.MXScaling`][], with
+      the weight's scale in float32 (tensor and row scales).
+    - Activations are quantised at every call as in training. Delayed scaling: with the
+      scale the layer's state gives now (the state is frozen; serving updates nothing).
+      Other recipes: from the activation itself.
+
+    The serving model's forward output equals the training model's on the same input,
+    bit for bit. It is an ordinary PyTree: `eqx.tree_serialise_leaves` saves it (the
+    weights at 1 byte per value), and [`fp8ax.serving_template`][] gives the structure
+    to load it into. It cannot be differentiated (a derivative through a serving layer
+    raises an error that names the layer).
+
+    **Arguments:**
+
+    - `model`: a model converted by [`fp8ax.fp8_linear_layers`][]. Call this outside
+      `jax.jit`: it reads the state.
+
+    **Returns:**
+
+    The serving model; `model` itself is not modified.
+
+    **Raises:**
+
+    `ValueError` naming the layer if a delayed-scaling layer's activation or weight
+    history is empty (never observed: run [`fp8ax.calibrate`][] first), if `model` is
+    already a serving model, or if it holds no FP8 layer.
+
+    !!! Example
+
+        ```python
+        serving = fp8ax.to_serving(model)
+        eqx.tree_serialise_leaves("served.eqx", serving)
+        ```
+    """
+    return _convert(model, check=True)
+
+
+def serving_template(model: T) -> T:
+    """The structure of [`fp8ax.to_serving`][]`(model)`, with zero-filled arrays: the
+    template to load a serving checkpoint into.
+
+    The FP8 state of `model` is not read, so a freshly converted, never-trained model
+    will do: `fp8ax.serving_template(fp8ax.fp8_linear_layers(init_model, config))` with
+    the config the served model was trained with.
+
+    **Arguments:**
+
+    - `model`: a model converted by [`fp8ax.fp8_linear_layers`][].
+
+    **Returns:**
+
+    A serving model whose arrays are all zero.
+
+    !!! Example
+
+        ```python
+        like = fp8ax.serving_template(fp8ax.fp8_linear_layers(init_model, config))
+        serving = fp8ax.tree_deserialise_leaves("served.eqx", like)
+        ```
+    """
+    shapes = eqx.filter_eval_shape(functools.partial(_convert, check=False), model)
+    return jtu.tree_map(
+        lambda s: jnp.zeros(s.shape, s.dtype) if isinstance(s, jax.ShapeDtypeStruct) else s, shapes
+    )
