@@ -75,6 +75,8 @@ def _forward(model, x):
     "kind, dtype", [("haliax", jnp.float32), ("stacked", jnp.bfloat16), ("eqx", jnp.bfloat16)],
     ids=["haliax-f32", "stacked-bf16", "eqx-bf16"],
 )
+# Training the eqx MLP per example with per-example scales warns (tests/test_per_example.py).
+@pytest.mark.filterwarnings("ignore:.*a layer with per-example scales:UserWarning")
 def test_serving_output_equals_training_output(recipe, kind, dtype, getkey):
     model, x = _trained(kind, fp8ax.Fp8Config(recipe=recipe), dtype, getkey)
     serving = fp8ax.to_serving(model)

@@ -336,8 +336,11 @@ class DelayedScaling(AbstractScalingRecipe):
 
             def calibrating(x, _):
                 jax.debug.callback(watch.tick)  # on the host, when this branch runs
-                amax = eqx.error_if(_formats.amax(x), corrupt, _CORRUPT_STATE)
-                return self._checked(merge(amax), scale, fp8_max)
+                # On the merged amax: inside `jax.shard_map` it no longer varies over
+                # the manual axes the tensor varies over, which the host callback's
+                # result could not carry.
+                amax = eqx.error_if(merge(_formats.amax(x)), corrupt, _CORRUPT_STATE)
+                return self._checked(amax, scale, fp8_max)
 
             used = lax.cond((longest == 0) | corrupt, calibrating, lambda _, delayed: delayed, x, used)
             used = merge(used)  # the calibrating branch's scale, batched like its tensor under vmap
