@@ -25,6 +25,10 @@ import fp8ax
 
 pytestmark = pytest.mark.needs_hax_dot
 
+# Training an eqx MLP per example with per-example scales warns, once per recipe and
+# process (tests/test_per_example.py); these tests are about serving.
+pytestmark = [pytestmark, pytest.mark.filterwarnings("ignore:.*a layer with per-example scales:UserWarning")]
+
 RECIPES = {
     "delayed": fp8ax.DelayedScaling(),
     "delayed-margin-recent": fp8ax.DelayedScaling(history_length=4, margin=1, amax_compute_algo="most_recent"),
@@ -75,8 +79,6 @@ def _forward(model, x):
     "kind, dtype", [("haliax", jnp.float32), ("stacked", jnp.bfloat16), ("eqx", jnp.bfloat16)],
     ids=["haliax-f32", "stacked-bf16", "eqx-bf16"],
 )
-# Training the eqx MLP per example with per-example scales warns (tests/test_per_example.py).
-@pytest.mark.filterwarnings("ignore:.*a layer with per-example scales:UserWarning")
 def test_serving_output_equals_training_output(recipe, kind, dtype, getkey):
     model, x = _trained(kind, fp8ax.Fp8Config(recipe=recipe), dtype, getkey)
     serving = fp8ax.to_serving(model)
