@@ -70,6 +70,27 @@ def test_quantize_saturates_and_keeps_non_finite(jdtype, mldtype, bound):
     assert q[5] == 0 and np.signbit(q[5])  # negative zero survives
 
 
+@pytest.mark.parametrize("scale", [1.0, 3.7e-3, 1000.0])
+def test_quantize_with_a_given_reciprocal_is_the_same(scale, getkey):
+    # Delayed scaling passes `inv = reciprocal(scale)` computed beside the scale; the
+    # result must be the ml_dtypes reference bit for bit, as without it.
+    x = np.asarray(jax.random.normal(getkey(), (512,), jnp.float32) * 40.0)
+    s = jnp.float32(scale)
+    got = np.asarray(_formats.quantize(x, s, np.dtype(jnp.float8_e4m3fn), inv=_formats.reciprocal(s)))
+    want = _reference(x, scale, ml_dtypes.float8_e4m3fn, 448.0)
+    np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_amax_counts_a_nan_as_inf_in_a_large_tensor(dtype, getkey):
+    # The CPU reduction kernel for large arrays skips NaNs; fp8ax's amax must not.
+    x = jax.random.normal(getkey(), (256, 1024), jnp.float32)
+    want = np.abs(np.asarray(x.astype(dtype), np.float32)).max()
+    assert float(jax.jit(_formats.amax)(x.astype(dtype))) == want
+    assert float(jax.jit(_formats.amax)(x.at[7, 9].set(jnp.nan).astype(dtype))) == np.inf
+    assert float(jax.jit(_formats.amax)(x.at[7, 9].set(-jnp.inf).astype(dtype))) == np.inf
+
+
 def test_quantize_bf16_input_is_exact_in_f32(getkey):
     # bf16 inputs are divided in float32, so the result equals quantising the f32 value.
     x = jax.random.normal(getkey(), (1024,), jnp.float32).astype(jnp.bfloat16)

@@ -233,7 +233,7 @@ def test_raw_gradient_through_the_optimiser_is_an_error(getkey):
         jax.block_until_ready(eqx.filter_jit(loss)(model))  # any later call, forward only too
 
 
-@pytest.mark.parametrize("bad", ["nan", "negative-scale", "zero-scale", "inf-history"])
+@pytest.mark.parametrize("bad", ["nan", "negative-scale", "zero-scale", "inf-history", "negative-entry"])
 def test_corrupt_state_values_are_an_error(bad, getkey):
     dg = fp8ax.Fp8DotGeneral.init()
     x, w = jax.random.normal(getkey(), (4, 8)), jax.random.normal(getkey(), (8, 3))
@@ -244,6 +244,8 @@ def test_corrupt_state_values_are_an_error(bad, getkey):
         "negative-scale": (lambda d: d.lhs.scale, jnp.float32(-0.5)),
         "zero-scale": (lambda d: d.grad.scale, jnp.float32(0.0)),
         "inf-history": (lambda d: d.lhs.amax_history, jnp.zeros(16).at[3].set(jnp.inf)),
+        # One negative entry in a filled history: its max is positive and finite.
+        "negative-entry": (lambda d: d.rhs.amax_history, jnp.full((16,), 2.0).at[5].set(-1e-3)),
     }[bad]
     broken = eqx.tree_at(where, dg, value)
     # The gradient's state is read in the backward pass.

@@ -163,31 +163,10 @@ class Fp8DotGeneral(OverwriteWithGradient):
         if st.compute_dtype is not None:
             lhs = lhs.astype(st.compute_dtype)
             rhs = rhs.astype(st.compute_dtype)
-        dims = check_dimension_numbers(dimension_numbers, lhs.shape, rhs.shape)
-        if preferred_element_type is not None:
-            try:
-                preferred_element_type = np.dtype(preferred_element_type)
-            except TypeError:
-                raise TypeError(
-                    f"`preferred_element_type` must be None or a floating dtype, got {preferred_element_type!r}."
-                ) from None
-            if not jnp.issubdtype(preferred_element_type, jnp.floating):
-                raise TypeError(
-                    f"`preferred_element_type` must be a floating dtype for an FP8 dot, got {preferred_element_type}."
-                )
-        out_dtype = _out_dtype(lhs.shape, np.dtype(lhs.dtype), rhs.shape, np.dtype(rhs.dtype), dims,
-                               preferred_element_type)
         raw = self._raw_state()
-        call = Call(
-            settings=st,
-            dims=dims,
-            lhs_dtype=np.dtype(lhs.dtype),
-            rhs_dtype=np.dtype(rhs.dtype),
-            out_dtype=out_dtype,
-            fwd_precision=st.fwd_precision if st.fwd_precision is not None else precision,
-            state_is_max=tuple(is_max(v) for v in raw),
-            lhs_vma=vma(lhs),
-            rhs_vma=vma(rhs),
+        call = make_call(
+            st, lhs.shape, np.dtype(lhs.dtype), rhs.shape, np.dtype(rhs.dtype), dimension_numbers, precision,
+            preferred_element_type, state_is_max=tuple(is_max(v) for v in raw), lhs_vma=vma(lhs), rhs_vma=vma(rhs),
         )
         return quantized_dot(call, lhs, rhs, *raw)
 
@@ -236,6 +215,38 @@ class Fp8DotGeneral(OverwriteWithGradient):
         """Haliax state-dict hook: keeps this module's FP8 state as it is."""
         del state_dict, prefix
         return self
+
+
+def make_call(
+    settings, lhs_shape, lhs_dtype, rhs_shape, rhs_dtype, dimension_numbers, precision, preferred_element_type,
+    *, state_is_max: tuple, lhs_vma, rhs_vma,
+) -> Call:
+    """The static description of one GEMM call (checked dimension numbers, output dtype,
+    forward precision), shared by [`fp8ax.Fp8DotGeneral`][] and the serving dot general.
+    The shapes and dtypes are those of the operands as the GEMM sees them."""
+    dims = check_dimension_numbers(dimension_numbers, lhs_shape, rhs_shape)
+    if preferred_element_type is not None:
+        try:
+            preferred_element_type = np.dtype(preferred_element_type)
+        except TypeError:
+            raise TypeError(
+                f"`preferred_element_type` must be None or a floating dtype, got {preferred_element_type!r}."
+            ) from None
+        if not jnp.issubdtype(preferred_element_type, jnp.floating):
+            raise TypeError(
+                f"`preferred_element_type` must be a floating dtype for an FP8 dot, got {preferred_element_type}."
+            )
+    return Call(
+        settings=settings,
+        dims=dims,
+        lhs_dtype=lhs_dtype,
+        rhs_dtype=rhs_dtype,
+        out_dtype=_out_dtype(lhs_shape, lhs_dtype, rhs_shape, rhs_dtype, dims, preferred_element_type),
+        fwd_precision=settings.fwd_precision if settings.fwd_precision is not None else precision,
+        state_is_max=state_is_max,
+        lhs_vma=lhs_vma,
+        rhs_vma=rhs_vma,
+    )
 
 
 @functools.lru_cache(maxsize=1024)

@@ -39,7 +39,7 @@ def fp8_max(dtype: np.dtype) -> float:
     return float(jnp.finfo(dtype).max)
 
 
-def quantize(x: ArrayLike, scale: ArrayLike, dtype: np.dtype) -> Array:
+def quantize(x: ArrayLike, scale: ArrayLike, dtype: np.dtype, *, inv: ArrayLike | None = None) -> Array:
     """`clip(x / scale, -max, max)` rounded to nearest-even in `dtype`.
 
     The division is computed as `x * (1 / scale)`, both in float32 whatever `x`'s dtype:
@@ -49,15 +49,23 @@ def quantize(x: ArrayLike, scale: ArrayLike, dtype: np.dtype) -> Array:
     non-finite: NaN stays NaN, and +-inf becomes the format's inf (E5M2) or NaN (the
     formats without inf), so a diverging tensor shows in the result as it would without
     FP8 instead of being clipped into a plausible number.
+
+    `inv`, when given, is `reciprocal(scale)` computed by the caller (where it is cheaper
+    to compute beside the scale); the result is the same.
     """
-    return scale_and_clip(x, scale, dtype).astype(dtype)
+    return scale_and_clip(x, scale, dtype, inv=inv).astype(dtype)
 
 
-def scale_and_clip(x: ArrayLike, scale: ArrayLike, dtype: np.dtype) -> Array:
+def reciprocal(scale: ArrayLike) -> Array:
+    """`1 / scale` in float32: the multiplier `quantize` applies."""
+    return jnp.float32(1.0) / jnp.asarray(scale, jnp.float32)
+
+
+def scale_and_clip(x: ArrayLike, scale: ArrayLike, dtype: np.dtype, *, inv: ArrayLike | None = None) -> Array:
     """The float32 values `quantize` rounds: `x * (1 / scale)` clipped to the format's
     range, +-inf kept. Shared with the stochastic rounding path."""
     bound = fp8_max(dtype)
-    inv = jnp.float32(1.0) / jnp.asarray(scale, jnp.float32)
+    inv = reciprocal(scale) if inv is None else jnp.asarray(inv, jnp.float32)
     xf = jnp.asarray(x).astype(jnp.float32)
     clipped = lax.clamp(jnp.float32(-bound), xf * inv, jnp.float32(bound))
     # Finite values saturate; +-inf and NaN pass through (the cast keeps them non-finite).
@@ -83,16 +91,12 @@ def amax(x: ArrayLike) -> Array:
 
     XLA's `max` propagates NaN, but the CPU backend of jax 0.10 reduces large arrays with
     a kernel that skips NaNs (`jnp.max(jnp.abs(x))` of a 256x1024 array holding one NaN
-    returns the largest finite value). On CPU a NaN therefore counts as +inf in the
-    reduction (`lax.platform_dependent`: other backends reduce `|x|` as it is). It is
-    jitted so that eager calls with `jax_debug_infs` do not see the inf it holds in
-    place of a NaN."""
-    x = jnp.asarray(x)
-    return lax.platform_dependent(x, cpu=_amax_nan_as_inf, default=_amax).astype(jnp.float32)
-
-
-def _amax(x):
-    return jnp.max(lax.abs(x))
+    returns the largest finite value). A NaN therefore counts as +inf in the reduction,
+    on every backend: a GPU fuses the select into its reduction, and one lowering for all
+    backends keeps the program small (a `lax.platform_dependent` lowers both branches
+    into every step). It is jitted so that eager calls with `jax_debug_infs` do not see
+    the inf it holds in place of a NaN."""
+    return _amax_nan_as_inf(jnp.asarray(x)).astype(jnp.float32)
 
 
 @jax.jit

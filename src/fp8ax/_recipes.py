@@ -157,10 +157,20 @@ _STALE_STATE = (
 )
 
 
-def _corrupt(scale, history):
-    """Whether a state holds what no fp8ax update writes: a negative or non-finite amax,
-    or a scale that is not positive and finite."""
-    return ~(lax.is_finite(scale) & (scale > 0) & jnp.all(lax.is_finite(history) & (history >= 0), axis=-1))
+@jax.jit
+def _guarded_max(history):
+    """`max(history)` with the entries no fp8ax update writes (negative, NaN, inf)
+    counted as +inf: the max is inf exactly when the history is corrupt. One reduction
+    serves the delayed scale and the check (a separate `all(...)` over the history cost
+    three more kernels per tensor on CPU). Jitted so that eager calls with
+    `jax_debug_infs` do not see the inf it substitutes."""
+    ok = lax.is_finite(history) & (history >= 0)
+    return jnp.max(_formats.select(ok, history, jnp.full_like(history, jnp.inf)), axis=-1)
+
+
+def _bad_scale(scale):
+    """A scale that is not positive and finite, which no fp8ax update writes either."""
+    return ~(lax.is_finite(scale) & (scale > 0))
 
 
 class DelayedScaling(AbstractScalingRecipe):
@@ -323,26 +333,41 @@ class DelayedScaling(AbstractScalingRecipe):
             raise ValueError("`state` is required: DelayedScaling quantises with the state of the operand.")
         scale, history = state
         fp8_max = _formats.fp8_max(dtype)
-        longest = jnp.max(history, axis=-1)
-        # History entries are finite (only valid amaxes are recorded).
-        used = self._checked(self._past_amax(history, longest), scale, fp8_max, finite_amax=True)
-        if self.calibrate_first_call:
-            # A state that went through an optimiser (`eqx.apply_updates` on the raw
-            # gradient) holds negative or non-finite values; it takes the rarely-run
-            # branch too, which raises. The check is a few scalar ops on the state.
-            corrupt = _corrupt(scale, history)
-
+        if not self.calibrate_first_call:
+            # History entries are finite (only valid amaxes are recorded).
+            longest = jnp.max(history, axis=-1)
+            used = self._checked(self._past_amax(history, longest), scale, fp8_max, finite_amax=True)
+            values = _formats.quantize(x, used, dtype)
+        else:
+            # The predicate is the only thing computed outside the branches: each branch
+            # returns its scale and the scale's reciprocal, the cast's multiplier. A
+            # state that went through an optimiser (`eqx.apply_updates` on the raw
+            # gradient) holds negative or non-finite values: it takes the rarely-run
+            # branch too, which raises.
+            longest = _guarded_max(history)
             watch = _StaleWatch()
 
-            def calibrating(x, _):
+            def calibrating(x, scale, history, longest):
+                del history
                 jax.debug.callback(watch.tick)  # on the host, when this branch runs
+                corrupt = (longest == jnp.inf) | _bad_scale(scale)
                 # On the merged amax: inside `jax.shard_map` it no longer varies over
                 # the manual axes the tensor varies over, which the host callback's
                 # result could not carry.
                 amax = eqx.error_if(merge(_formats.amax(x)), corrupt, _CORRUPT_STATE)
-                return self._checked(amax, scale, fp8_max)
+                used = self._checked(amax, scale, fp8_max)
+                return used, _formats.reciprocal(used)
 
-            used = lax.cond((longest == 0) | corrupt, calibrating, lambda _, delayed: delayed, x, used)
-            used = merge(used)  # the calibrating branch's scale, batched like its tensor under vmap
-        values = _formats.quantize(x, used, dtype)
+            def delayed(x, scale, history, longest):
+                del x
+                used = self._checked(self._past_amax(history, longest), scale, fp8_max, finite_amax=True)
+                return used, _formats.reciprocal(used)
+
+            pred = (longest == 0) | (longest == jnp.inf) | _bad_scale(scale)
+            used, inv = lax.cond(pred, calibrating, delayed, x, scale, history, longest)
+            # The calibrating branch's scale is batched like its tensor under vmap; it is
+            # the same in every example (its amax is merged), so merging `inv` by the
+            # same rule keeps it the reciprocal of `used`.
+            used, inv = merge(used), merge(inv)
+            values = _formats.quantize(x, used, dtype, inv=inv)
         return QuantizedArray(values, used), self.next_state(used, history, merge(_formats.amax(x)))

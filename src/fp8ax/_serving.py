@@ -28,13 +28,12 @@ from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, PRNGKeyArray
 
 from . import _formats
-from ._dot_general import Fp8DotGeneral, _check_operand, _out_dtype
-from ._layout import check_dimension_numbers
+from ._dot_general import Fp8DotGeneral, _check_operand, make_call
 from ._pipeline import Call, _gemm, _quantise, vma
 from ._quantized import QuantizedArray
 from ._recipes import DelayedScaling
 from ._settings import GemmSettings
-from ._transform import Fp8Linear, path_str
+from ._transform import Fp8Linear, linear_call, path_str
 
 T = TypeVar("T")
 
@@ -209,20 +208,9 @@ class ServingDotGeneral(eqx.Module):
             lhs_shape, lhs_dtype, rhs_shape, rhs_dtype = w.shape, w_dtype, x.shape, np.dtype(x.dtype)
         else:
             lhs_shape, lhs_dtype, rhs_shape, rhs_dtype = x.shape, np.dtype(x.dtype), w.shape, w_dtype
-        dims = check_dimension_numbers(dimension_numbers, lhs_shape, rhs_shape)
-        if preferred_element_type is not None:
-            preferred_element_type = np.dtype(preferred_element_type)
-        out_dtype = _out_dtype(lhs_shape, lhs_dtype, rhs_shape, rhs_dtype, dims, preferred_element_type)
-        call = Call(
-            settings=st,
-            dims=dims,
-            lhs_dtype=lhs_dtype,
-            rhs_dtype=rhs_dtype,
-            out_dtype=out_dtype,
-            fwd_precision=st.fwd_precision if st.fwd_precision is not None else precision,
-            state_is_max=(),
-            lhs_vma=vma(lhs),
-            rhs_vma=vma(rhs),
+        call = make_call(
+            st, lhs_shape, lhs_dtype, rhs_shape, rhs_dtype, dimension_numbers, precision, preferred_element_type,
+            state_is_max=(), lhs_vma=vma(lhs), rhs_vma=vma(rhs),
         )
         s = _Serve(call, role, self.layer, self.block_axis, self.block_size, self.int_exponent)
         return _serving_gemm(s, x, w, self.weight_scale, self.input_scale)
@@ -281,21 +269,7 @@ class ServingLinear(eqx.Module):
         The output, shape `(..., out_features)` (or `(...)` if `out_features="scalar"`).
         """
         del key
-        if self.in_features == "scalar":
-            if jnp.shape(x) != ():
-                raise ValueError(f"`x` must be a scalar for in_features='scalar', got shape {jnp.shape(x)}.")
-            x = jnp.broadcast_to(x, (1,))
-        elif jnp.ndim(x) < 1 or jnp.shape(x)[-1] != self.in_features:
-            raise ValueError(f"`x` must have shape (..., {self.in_features}), got {jnp.shape(x)}.")
-        x = jnp.asarray(x)
-        w = decode(self.weight, self.dot_general.value_dtype)
-        y = self.dot_general(x, w, (((x.ndim - 1,), (1,)), ((), ())))
-        if self.bias is not None:
-            with jax.numpy_dtype_promotion("standard"):
-                y = y + jnp.broadcast_to(self.bias, y.shape)
-        if self.out_features == "scalar":
-            y = y[..., 0]
-        return y
+        return linear_call(self, x, decode(self.weight, self.dot_general.value_dtype))
 
 
 class ServingHaliaxLinear(eqx.Module):

@@ -73,20 +73,7 @@ class Fp8Linear(eqx.Module):
         the same leading dimensions as `x`.
         """
         del key
-        if self.in_features == "scalar":
-            if jnp.shape(x) != ():
-                raise ValueError(f"`x` must be a scalar for in_features='scalar', got shape {jnp.shape(x)}.")
-            x = jnp.broadcast_to(x, (1,))
-        elif jnp.ndim(x) < 1 or jnp.shape(x)[-1] != self.in_features:
-            raise ValueError(f"`x` must have shape (..., {self.in_features}), got {jnp.shape(x)}.")
-        x = jnp.asarray(x)
-        y = self.dot_general(x, self.weight, (((x.ndim - 1,), (1,)), ((), ())))
-        if self.bias is not None:
-            with jax.numpy_dtype_promotion("standard"):
-                y = y + jnp.broadcast_to(self.bias, y.shape)
-        if self.out_features == "scalar":
-            y = y[..., 0]
-        return y
+        return linear_call(self, x, self.weight)
 
     def to_linear(self) -> eqx.nn.Linear:
         """The plain `equinox.nn.Linear` with the same weight and bias."""
@@ -95,6 +82,26 @@ class Fp8Linear(eqx.Module):
             if hasattr(self, f.name):
                 object.__setattr__(linear, f.name, getattr(self, f.name))
         return linear
+
+
+def linear_call(layer, x, weight) -> Array:
+    """`layer.dot_general(x, weight)` over the last axis of `x`, plus `layer.bias`: the
+    call of an `equinox.nn.Linear`-shaped layer ([`fp8ax.Fp8Linear`][] and
+    [`fp8ax.ServingLinear`][]), with its checks on `x` and its `"scalar"` features."""
+    if layer.in_features == "scalar":
+        if jnp.shape(x) != ():
+            raise ValueError(f"`x` must be a scalar for in_features='scalar', got shape {jnp.shape(x)}.")
+        x = jnp.broadcast_to(x, (1,))
+    elif jnp.ndim(x) < 1 or jnp.shape(x)[-1] != layer.in_features:
+        raise ValueError(f"`x` must have shape (..., {layer.in_features}), got {jnp.shape(x)}.")
+    x = jnp.asarray(x)
+    y = layer.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())))
+    if layer.bias is not None:
+        with jax.numpy_dtype_promotion("standard"):
+            y = y + jnp.broadcast_to(layer.bias, y.shape)
+    if layer.out_features == "scalar":
+        y = y[..., 0]
+    return y
 
 
 def _is_linear(x: Any) -> bool:
