@@ -277,7 +277,7 @@ class Int8Scaling(AbstractStatelessRecipe):
             values, scale = int8_quantize(x, tuple(contracting_axes))
             return QuantizedArray(values, scale)
         _, scale = int8_quantize(x, tuple(contracting_axes))
-        scaled = jnp.clip(x.astype(jnp.float32) * (jnp.float32(1.0) / scale), -127.0, 127.0)
+        scaled = jnp.clip(x.astype(jnp.float32) * _formats.reciprocal(scale), -127.0, 127.0)
         return QuantizedArray(stochastic_round(scaled, jnp.int8, key), scale)
 
 

@@ -23,6 +23,7 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array
 
+from . import _formats
 from ._dot_general import Fp8DotGeneral
 from ._maxgrad import merged_amax
 from ._quantized import QuantizedArray
@@ -100,7 +101,7 @@ def operand_counts(x: Array, q: QuantizedArray) -> dict[str, Array]:
     one = QuantizedArray(jnp.ones_like(q.values), q.scale, q.block_axis, q.block_size, q.int_exponent)
     elem_scale = jnp.broadcast_to(one.dequantize(jnp.float32), xf.shape)
     # The quantiser's own arithmetic: x * (1 / scale), in float32.
-    saturated = finite & (jnp.abs(xf * (jnp.float32(1.0) / elem_scale)) > jnp.float32(_bound(q.values.dtype)))
+    saturated = finite & (jnp.abs(xf * _formats.reciprocal(elem_scale)) > jnp.float32(_bound(q.values.dtype)))
     nonzero = finite & (xf != 0)
     underflow = nonzero & (q.values == jnp.zeros((), q.values.dtype))
     total = jnp.int32(xf.size)
