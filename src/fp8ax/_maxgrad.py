@@ -22,7 +22,7 @@
 # Three JAX gaps are bridged here, all covered by tests:
 # - the builtin transpose of an extended-dtype conversion reads `.dtype` from an
 #   `UndefinedPrimal` in the backward pass (jax 0.10 through 0.12), so both conversions
-#   are `custom_vjp`s;
+#   are small primitives whose transposes are each other;
 # - a `vmap`ped use whose input is batched but whose state is not would have its state
 #   cotangents reduce-*summed* over the batch (and extended dtypes have no `sum`), so
 #   `merged_amax` reduces observed amaxes with `max` over such axes first (see there);
@@ -43,6 +43,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.custom_batching import custom_vmap
+from jax.extend.core import Primitive as _Primitive
+from jax.interpreters import ad as _ad
+from jax.interpreters import batching as _batching
+from jax.interpreters import mlir as _mlir
 
 _SUPPORTED_JAX = "jax>=0.10,<0.13"
 
@@ -189,22 +193,37 @@ def _raw_to_f32(x):
     return lax.convert_element_type(x, np.float32)
 
 
-@jax.custom_vjp
+def _conversion(name, dtype, raw):
+    # A primitive of its own rather than a `custom_vjp` around the conversion: a state is
+    # converted at every rebuild of the model inside a traced step (each jit boundary
+    # rebuilds it), and a `custom_vjp` call costs some 350 Python calls to trace against
+    # a bind's few dozen. Rules: the value is a plain conversion (impl and lowering), it
+    # is linear (its JVP is itself), it maps elementwise (vmap), and its abstract value
+    # keeps shape, sharding and varying manual axes.
+    prim = _Primitive(name)
+    prim.def_impl(raw)
+    prim.def_abstract_eval(lambda aval: aval.update(dtype=dtype, weak_type=False))
+    _mlir.register_lowering(prim, _mlir.lower_fun(raw, multiple_results=False))
+    _batching.defvectorized(prim)
+    return prim
+
+
+_to_max_p = _conversion("fp8ax_to_maxf32", MAXF32, _raw_to_max)
+_to_f32_p = _conversion("fp8ax_to_float32", np.dtype(np.float32), _raw_to_f32)
+# The transpose of one conversion is the other (the builtin rule of
+# `convert_element_type` cannot be used: see the top of this file).
+_ad.deflinear2(_to_max_p, lambda ct, x: [_to_f32_p.bind(ct)])
+_ad.deflinear2(_to_f32_p, lambda ct, x: [_to_max_p.bind(ct)])
+
+
 def to_max(x):
     """float32 -> MAXF32; the cotangent goes back to float32."""
-    return _raw_to_max(x)
+    return _to_max_p.bind(x)
 
 
-to_max.defvjp(lambda x: (_raw_to_max(x), None), lambda _, g: (_raw_to_f32(g),))
-
-
-@jax.custom_vjp
 def to_f32(x):
     """MAXF32 -> float32; the cotangent goes back to MAXF32."""
-    return _raw_to_f32(x)
-
-
-to_f32.defvjp(lambda x: (_raw_to_f32(x), None), lambda _, g: (_raw_to_max(g),))
+    return _to_f32_p.bind(x)
 
 
 def is_max(x) -> bool:
