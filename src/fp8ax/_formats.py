@@ -53,21 +53,21 @@ def quantize(x: ArrayLike, scale: ArrayLike, dtype: np.dtype, *, inv: ArrayLike 
     `inv`, when given, is `reciprocal(scale)` computed by the caller (where it is cheaper
     to compute beside the scale); the result is the same.
     """
-    return scale_and_clip(x, scale, dtype, inv=inv).astype(dtype)
+    return lax.convert_element_type(scale_and_clip(x, scale, dtype, inv=inv), dtype)
 
 
 def reciprocal(scale: ArrayLike) -> Array:
     """`1 / scale` in float32: the multiplier `quantize` applies."""
-    return jnp.float32(1.0) / jnp.asarray(scale, jnp.float32)
+    return lax.div(np.float32(1.0), _as_f32(scale))
 
 
 def scale_and_clip(x: ArrayLike, scale: ArrayLike, dtype: np.dtype, *, inv: ArrayLike | None = None) -> Array:
     """The float32 values `quantize` rounds: `x * (1 / scale)` clipped to the format's
     range, +-inf kept. Shared with the stochastic rounding path."""
     bound = fp8_max(dtype)
-    inv = reciprocal(scale) if inv is None else jnp.asarray(inv, jnp.float32)
-    xf = jnp.asarray(x).astype(jnp.float32)
-    clipped = lax.clamp(jnp.float32(-bound), xf * inv, jnp.float32(bound))
+    inv = reciprocal(scale) if inv is None else _as_f32(inv)
+    xf = _as_f32(x)
+    clipped = lax.clamp(np.float32(-bound), lax.mul(xf, broadcast(inv, xf.shape)), np.float32(bound))
     # Finite values saturate; +-inf and NaN pass through (the cast keeps them non-finite).
     return select(lax.is_finite(xf), clipped, xf)
 
@@ -76,9 +76,28 @@ def select(pred: ArrayLike, on_true: ArrayLike, on_false: ArrayLike) -> Array:
     """`jnp.where(pred, on_true, on_false)` for arrays of one dtype, as a bare
     `lax.select`: `jnp.where` traces a nested jitted function at every call, which the
     per-operand scaling code would pay for many times per step in trace and compile
-    time."""
-    pred, on_true, on_false = jnp.broadcast_arrays(pred, on_true, on_false)
-    return lax.select(pred, on_true, on_false.astype(on_true.dtype))
+    time. (It is written with `lax` throughout for the same reason: a `jnp` function or
+    an array operator traces a few hundred Python calls, a `lax` op a few dozen.)"""
+    pred, on_true, on_false = _as_array(pred), _as_array(on_true), _as_array(on_false)
+    if on_false.dtype != on_true.dtype:
+        on_false = lax.convert_element_type(on_false, on_true.dtype)
+    shape = lax.broadcast_shapes(pred.shape, on_true.shape, on_false.shape)
+    return lax.select(broadcast(pred, shape), broadcast(on_true, shape), broadcast(on_false, shape))
+
+
+def broadcast(x: Array, shape: tuple[int, ...]) -> Array:
+    """`x` broadcast to `shape` by NumPy's rules, as one `broadcast_in_dim`."""
+    if x.shape == shape:
+        return x
+    return lax.broadcast_in_dim(x, shape, tuple(range(len(shape) - x.ndim, len(shape))))
+
+
+def _as_array(x: ArrayLike) -> Array:
+    return x if isinstance(x, jax.Array) else jnp.asarray(x)
+
+
+def _as_f32(x: ArrayLike) -> Array:
+    return lax.convert_element_type(_as_array(x), np.float32)
 
 
 def dequantize(q: ArrayLike, scale: ArrayLike, dtype) -> Array:
@@ -96,10 +115,10 @@ def amax(x: ArrayLike) -> Array:
     backends keeps the program small (a `lax.platform_dependent` lowers both branches
     into every step). It is jitted so that eager calls with `jax_debug_infs` do not see
     the inf it holds in place of a NaN."""
-    return _amax_nan_as_inf(jnp.asarray(x)).astype(jnp.float32)
+    return _as_f32(_amax_nan_as_inf(_as_array(x)))
 
 
 @jax.jit
 def _amax_nan_as_inf(x):
     ax = lax.abs(x)
-    return jnp.max(select(ax == ax, ax, jnp.full_like(ax, jnp.inf)))
+    return lax.reduce_max(select(lax.eq(ax, ax), ax, lax.full_like(ax, np.inf)), tuple(range(ax.ndim)))

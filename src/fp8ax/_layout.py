@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jaxtyping import Array
 
 DimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
@@ -147,11 +148,12 @@ def rescale(acc, lhs_scale, lhs_shape, rhs_scale, rhs_shape, dims) -> Array:
 
     A scale is a scalar (one per tensor) or has its operand's rank with size 1 along
     the contracting dims (one per row). Two scalars cost one scalar multiply."""
-    acc = acc.astype(jnp.float32)
-    lhs_scale = jnp.asarray(lhs_scale, jnp.float32)
-    rhs_scale = jnp.asarray(rhs_scale, jnp.float32)
+    acc = lax.convert_element_type(acc, np.float32)
+    lhs_scale = lax.convert_element_type(jnp.asarray(lhs_scale), np.float32)
+    rhs_scale = lax.convert_element_type(jnp.asarray(rhs_scale), np.float32)
     if lhs_scale.ndim == rhs_scale.ndim == 0:
-        return acc * (lhs_scale * rhs_scale)
+        # `lax` rather than `*`: an array operator traces a few hundred Python calls.
+        return lax.mul(acc, lax.broadcast_in_dim(lax.mul(lhs_scale, rhs_scale), acc.shape, ()))
     (lc, rc), (lb, rb) = dims
 
     def layout(scale, shape, batch, contract, argname):
