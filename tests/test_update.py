@@ -303,3 +303,46 @@ def test_a_state_never_written_warns_after_many_calls(getkey, monkeypatch):
         jax.effects_barrier()
     assert len(caught) == 1 and "fp8ax.apply_updates" in str(caught[0].message)
     assert float(jnp.max(model.layers[0].dot_general.lhs.amax_history)) == 0.0  # what the warning is about
+
+
+def _ensemble_flow(getkey, n=3):
+    keys = jax.random.split(getkey(), n)
+    ens = eqx.filter_vmap(lambda k: eqx.nn.MLP(8, 4, 16, 1, key=k))(keys)
+    ens = fp8ax.fp8_linear_layers(ens)
+    xs, ys = jax.random.normal(getkey(), (n, 32, 8)), jax.random.normal(getkey(), (n, 32, 4))
+
+    def loss(m):
+        return jnp.sum(eqx.filter_vmap(lambda m, x, y: jnp.mean((jax.vmap(m)(x) - y) ** 2))(m, xs, ys))
+
+    @eqx.filter_jit
+    def step(m):
+        overwrite, grads = fp8ax.partition_for_grad_overwrite(eqx.filter_grad(loss)(m))
+        return fp8ax.apply_updates(m, jax.tree.map(lambda g: -0.01 * g, grads), overwrite)
+
+    return ens, loss, step
+
+
+def test_an_ensemble_trained_correctly_does_not_warn(getkey, monkeypatch):
+    # Under `eqx.filter_vmap` with a state per member, the first-call conditional has a
+    # batched predicate and becomes a select that runs the calibrating branch on every
+    # call. Only members whose history is empty may count as stale.
+    monkeypatch.setattr(fp8ax._recipes._StaleWatch, "warned", False)
+    monkeypatch.setattr(fp8ax._recipes, "STALE_CALLS", 4)
+    ens, _, step = _ensemble_flow(getkey)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(10):
+            ens = step(ens)
+        jax.effects_barrier()
+    assert not caught
+    assert (np.asarray(ens.layers[0].dot_general.lhs.amax_history)[:, :10] > 0).all()
+
+
+def test_a_corrupt_ensemble_member_is_an_error(getkey):
+    ens, loss, step = _ensemble_flow(getkey)
+    ens = step(ens)  # filled histories: the members take the delayed branch
+    broken = eqx.tree_at(lambda m: m.layers[1].dot_general.rhs.amax_history, ens,
+                         ens.layers[1].dot_general.rhs.amax_history.at[2, 4].set(-1.0))
+    with pytest.raises(Exception, match="fp8ax.apply_updates"):
+        jax.block_until_ready(eqx.filter_jit(loss)(broken))
+    jax.block_until_ready(eqx.filter_jit(loss)(ens))  # the intact ensemble runs

@@ -128,18 +128,32 @@ STALE_CALLS = 100
 
 
 class _StaleWatch:
-    """Counts, on the host, how often one traced call's calibrating branch runs. It runs
-    once per fresh layer; every call runs it when the new state is never written (it is
-    split off by `partition_for_grad_overwrite`, then dropped by `eqx.apply_updates`).
-    At `STALE_CALLS` runs it warns, once per process: a warning, not an error, because
-    training that many fresh models with one compiled step looks the same."""
+    """On the host, in the calibrating branch of one traced call: raises on a corrupt
+    state, and counts how often the branch really calibrates. It calibrates once per
+    fresh layer; every call calibrates when the new state is never written (it is split
+    off by `partition_for_grad_overwrite`, then dropped by `eqx.apply_updates`). At
+    `STALE_CALLS` runs it warns, once per process: a warning, not an error, because
+    training that many fresh models with one compiled step looks the same.
+
+    Under `vmap` with batched state (an ensemble) the conditional becomes a `select`
+    that runs both branches for every member, and the callback runs once per member
+    with that member's values: only members whose history is empty count."""
 
     warned = False
 
     def __init__(self):
         self.calls = 0
 
-    def tick(self):
+    def tick(self, calibrating, corrupt):
+        # The check of a state that went through an optimiser lives here rather than in
+        # an `eqx.error_if`: tracing one costs about 15k Python calls per quantised
+        # tensor per trace (23% of the lowering of a two-layer step), this callback is
+        # there anyway, and the error reaches the caller all the same (as the runtime
+        # error of the failed callback, with this message in it).
+        if corrupt:
+            raise ValueError(_CORRUPT_STATE)
+        if not calibrating:
+            return
         self.calls += 1
         if self.calls == STALE_CALLS and not _StaleWatch.warned:
             _StaleWatch.warned = True
@@ -164,13 +178,23 @@ def _guarded_max(history):
     serves the delayed scale and the check (a separate `all(...)` over the history cost
     three more kernels per tensor on CPU). Jitted so that eager calls with
     `jax_debug_infs` do not see the inf it substitutes."""
-    ok = lax.is_finite(history) & (history >= 0)
-    return jnp.max(_formats.select(ok, history, jnp.full_like(history, jnp.inf)), axis=-1)
+    ok = lax.bitwise_and(lax.is_finite(history), lax.ge(history, np.float32(0)))
+    return lax.reduce_max(_formats.select(ok, history, lax.full_like(history, np.inf)), (history.ndim - 1,))
+
+
+def _positive_finite(x):
+    return lax.bitwise_and(lax.is_finite(x), lax.gt(x, np.float32(0)))
 
 
 def _bad_scale(scale):
     """A scale that is not positive and finite, which no fp8ax update writes either."""
-    return ~(lax.is_finite(scale) & (scale > 0))
+    return lax.bitwise_not(_positive_finite(scale))
+
+
+def _calibrates(longest, scale):
+    """Whether a call calibrates: its history is empty (`longest`, the `_guarded_max`, is
+    0) or corrupt (inf), or its scale is."""
+    return lax.bitwise_or(lax.bitwise_not(_positive_finite(longest)), _bad_scale(scale))
 
 
 class DelayedScaling(AbstractScalingRecipe):
@@ -274,14 +298,13 @@ class DelayedScaling(AbstractScalingRecipe):
         # simplifies it differently in different programs (inside `lax.scan` or not),
         # which would make the state depend by an ulp on how a layer was called.
         factor = 2.0**self.margin / fp8_max
-        new = amax * jnp.float32(factor)
+        new = lax.mul(amax, np.float32(factor))
         if finite_amax and factor <= 1:
             # A finite amax times a factor <= 1 cannot overflow: only zero (an empty
             # history) and underflow remain.
-            return _formats.select(new > 0, new, scale)
+            return _formats.select(lax.gt(new, np.float32(0)), new, scale)
         # Covers a zero, NaN or inf amax, and a product that under/overflows.
-        ok = lax.is_finite(new) & (new > 0)
-        return _formats.select(ok, new, scale)
+        return _formats.select(_positive_finite(new), new, scale)
 
     def _past_amax(self, amax_history, longest):
         return longest if self.amax_compute_algo == "max" else amax_history[..., 0]
@@ -314,10 +337,11 @@ class DelayedScaling(AbstractScalingRecipe):
         # A call that observed nothing usable (an all-zero or non-finite tensor) reports
         # scale 0: "no observation". If no use of the layer observed anything,
         # `apply_updates` keeps the old state untouched; otherwise the max-merge ignores it.
-        valid = lax.is_finite(amax) & (amax > 0)
-        zero = jnp.zeros_like(amax)
+        valid = _positive_finite(amax)
+        zero = lax.full_like(amax, 0)
         recorded = _formats.select(valid, amax, zero)
-        history = jnp.concatenate([recorded[..., None], amax_history[..., :-1]], axis=-1)
+        kept = lax.slice_in_dim(amax_history, 0, amax_history.shape[-1] - 1, axis=-1)
+        history = lax.concatenate([lax.expand_dims(recorded, (recorded.ndim,)), kept], recorded.ndim)
         return _formats.select(valid, scale_used, zero), history
 
     def quantize_operand(self, x, contracting_axes, dtype, *, state=None, key=None, merge=_no_merge):
@@ -335,7 +359,7 @@ class DelayedScaling(AbstractScalingRecipe):
         fp8_max = _formats.fp8_max(dtype)
         if not self.calibrate_first_call:
             # History entries are finite (only valid amaxes are recorded).
-            longest = jnp.max(history, axis=-1)
+            longest = lax.reduce_max(history, (history.ndim - 1,))
             used = self._checked(self._past_amax(history, longest), scale, fp8_max, finite_amax=True)
             values = _formats.quantize(x, used, dtype)
         else:
@@ -349,13 +373,11 @@ class DelayedScaling(AbstractScalingRecipe):
 
             def calibrating(x, scale, history, longest):
                 del history
-                jax.debug.callback(watch.tick)  # on the host, when this branch runs
-                corrupt = (longest == jnp.inf) | _bad_scale(scale)
-                # On the merged amax: inside `jax.shard_map` it no longer varies over
-                # the manual axes the tensor varies over, which the host callback's
-                # result could not carry.
-                amax = eqx.error_if(merge(_formats.amax(x)), corrupt, _CORRUPT_STATE)
-                used = self._checked(amax, scale, fp8_max)
+                # The predicate again, rather than passed in: as an operand as well as
+                # the branch index it costs a kernel per tensor on CPU.
+                corrupt = lax.bitwise_or(lax.eq(longest, np.float32(np.inf)), _bad_scale(scale))
+                jax.debug.callback(watch.tick, _calibrates(longest, scale), corrupt)  # on the host, when this branch runs
+                used = self._checked(merge(_formats.amax(x)), scale, fp8_max)
                 return used, _formats.reciprocal(used)
 
             def delayed(x, scale, history, longest):
@@ -363,8 +385,7 @@ class DelayedScaling(AbstractScalingRecipe):
                 used = self._checked(self._past_amax(history, longest), scale, fp8_max, finite_amax=True)
                 return used, _formats.reciprocal(used)
 
-            pred = (longest == 0) | (longest == jnp.inf) | _bad_scale(scale)
-            used, inv = lax.cond(pred, calibrating, delayed, x, scale, history, longest)
+            used, inv = lax.cond(_calibrates(longest, scale), calibrating, delayed, x, scale, history, longest)
             # The calibrating branch's scale is batched like its tensor under vmap; it is
             # the same in every example (its amax is merged), so merging `inv` by the
             # same rule keeps it the reciprocal of `used`.
