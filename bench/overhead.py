@@ -8,7 +8,8 @@ Measures, for a model `Embed -> Mlp -> Embed` built from two `haliax.nn.Linear` 
     * ``fp8ax``   -- ``fp8ax.fp8_linear_layers(model)``;
     * ``haliax``  -- ``haliax.quantization.quantize_linear_layers(model, QuantizationConfig(fp8=True))``;
 - the compile time of each step: ``eqx.filter_jit(step).lower(...)`` (trace + lower) and
-  ``.compile()`` (XLA), each after ``jax.clear_caches()``, median of a few;
+  ``.compile()`` (XLA), each after ``jax.clear_caches()``, median of a few, and the
+  Python function calls that one ``.lower(...)`` makes (``cProfile``; the same in every run);
 - the StableHLO op count of each step (``.lower(...).as_text()``) and what each
   converted layer adds to it relative to the plain step (see `count_ops` for exactly
   what is counted), plus the instruction count of the optimised HLO;
@@ -30,10 +31,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import datetime
 import json
 import os
 import platform
+import pstats
 import re
 import statistics
 import subprocess
@@ -364,6 +367,20 @@ def _jaxlib_version():
     return _dist_version("jaxlib")
 
 
+def lower_python_calls(step, *args) -> int:
+    """Python function calls (C functions included) while `step.lower(*args)` traces and
+    lowers from scratch, counted by `cProfile`. Unlike a timing it is the same in every run,
+    so it shows what a change to the tracing code saves."""
+    jax.clear_caches()
+    profile = cProfile.Profile()
+    profile.enable()
+    try:
+        step.lower(*args)
+    finally:
+        profile.disable()
+    return pstats.Stats(profile).total_calls
+
+
 def run_dtype(args, dtype_name: str, log) -> dict[str, Any]:
     dtype = DTYPES[dtype_name]
     Batch = hax.Axis("batch", args.batch)
@@ -431,6 +448,7 @@ def run_dtype(args, dtype_name: str, log) -> dict[str, Any]:
         info[v]["compile_s_median"] = statistics.median(compile_s[v])
         info[v]["lower_s_all"] = lower_s[v]
         info[v]["compile_s_all"] = compile_s[v]
+        info[v]["lower_python_calls"] = lower_python_calls(steps[v], *states[v], x, y)
 
     # ---- warm-up (first call compiles through the jit cache) ----
     for v in variants:
@@ -552,7 +570,9 @@ def print_table(results: dict, out=sys.stdout):
             f, h = vs[name], vs["haliax"]
             print(
                 f"{dtype_name:<9} {name} / haliax: step {f['step_s_median'] / h['step_s_median']:.3f}x, "
-                f"compile {f['lower_compile_s_median'] / h['lower_compile_s_median']:.2f}x, "
+                f"compile {f['lower_compile_s_median'] / h['lower_compile_s_median']:.2f}x "
+                f"(lower {f['lower_s_median'] / h['lower_s_median']:.2f}x, XLA {f['compile_s_median'] / h['compile_s_median']:.2f}x; "
+                f"Python calls to lower {f['lower_python_calls'] / 1e3:.0f}k vs {h['lower_python_calls'] / 1e3:.0f}k), "
                 f"StableHLO ops {f['stablehlo_ops'] / h['stablehlo_ops']:.2f}x "
                 f"(inlined {f['stablehlo_ops_inlined'] / h['stablehlo_ops_inlined']:.2f}x)",
                 file=out,
