@@ -137,7 +137,9 @@ class _Walk:
             deps_in = [i[1] for i in ins]
             abs_in = [i[2] for i in ins]
             name = eqn.primitive.name
-            sub = next((eqn.params[k] for k in ("jaxpr", "call_jaxpr", "call") if k in eqn.params), None)
+            # A call's body is walked; `reduce` (a variadic reduction) also carries a
+            # `jaxpr`, its reducer, but is an ordinary primitive here.
+            sub = None if name == "reduce" else next((eqn.params[k] for k in ("jaxpr", "call_jaxpr", "call") if k in eqn.params), None)
             if name == "cond":
                 index = int(vals[0])
                 # Not `lax.platform_dependent`, nor an `eqx.error_if` check (a branch that

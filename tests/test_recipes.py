@@ -121,6 +121,32 @@ def test_hand_replay_five_steps(recipe, getkey):
         np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize(
+    "history, expected",
+    [
+        ([3.0, 1.0, 0.5, 0.0], 3.0),  # a filled history: its max
+        ([0.0, 0.0, 0.0, 0.0], None),  # empty: no delayed amax, the scale stays
+        ([3.0, -1.0, 0.5, 0.0], None),  # entries no fp8ax update writes: the same
+        ([3.0, np.inf, 0.5, 0.0], None),
+        ([3.0, np.nan, 0.5, 0.0], None),
+    ],
+)
+def test_without_calibration_a_corrupt_history_keeps_the_scale(history, expected):
+    # `calibrate_first_call=False` compiles no conditional and so raises nothing; a
+    # history that went through an optimiser must not give a scale either.
+    recipe = fp8ax.DelayedScaling(history_length=4, calibrate_first_call=False)
+    old_scale = np.float32(0.25)
+    x = jnp.linspace(-2.0, 2.0, 12, dtype=jnp.float32).reshape(3, 4)
+    q, (new_scale, new_hist) = jax.jit(
+        lambda x, s, h: recipe.quantize_operand(x, (1,), recipe.fwd_dtype, state=(s, h))
+    )(x, jnp.float32(old_scale), jnp.asarray(history, jnp.float32))
+    want = old_scale if expected is None else np.float32(expected * np.float32(1 / 448.0))
+    assert np.asarray(q.scale) == want
+    np.testing.assert_array_equal(np.asarray(q.values, np.float32), np.asarray(_q(x, want, ml_dtypes.float8_e4m3fn, 448.0), np.float32))
+    # The call's own observation is recorded as usual.
+    assert float(new_hist[0]) == 2.0 and float(new_scale) == want
+
+
 def test_scaling_state_init():
     st = fp8ax.ScalingState.init(4, (2,))
     assert st.scale.shape == (2,) and st.amax_history.shape == (2, 4)

@@ -171,15 +171,18 @@ _STALE_STATE = (
 )
 
 
-@jax.jit
-def _guarded_max(history):
-    """`max(history)` with the entries no fp8ax update writes (negative, NaN, inf)
-    counted as +inf: the max is inf exactly when the history is corrupt. One reduction
-    serves the delayed scale and the check (a separate `all(...)` over the history cost
-    three more kernels per tensor on CPU). Jitted so that eager calls with
-    `jax_debug_infs` do not see the inf it substitutes."""
-    ok = lax.bitwise_and(lax.is_finite(history), lax.ge(history, np.float32(0)))
-    return lax.reduce_max(_formats.select(ok, history, lax.full_like(history, np.inf)), (history.ndim - 1,))
+def _both(a, b):
+    return lax.max(a[0], b[0]), lax.min(a[1], b[1])
+
+
+def _history_bounds(history):
+    """`(max, min)` of the history over its last axis, in one reduction. The max serves
+    the delayed scale and the "history empty" test (0); together they tell a corrupt
+    history, holding entries no fp8ax update writes: the max is NaN or inf, or the min
+    is negative (XLA's `max` and `min` propagate NaN). XLA:CPU compiles this into one
+    kernel, where a plain max over the 1024 entries takes two (it splits the reduction)
+    and a max over a select of the bad entries took three."""
+    return lax.reduce((history, history), (np.float32(-np.inf), np.float32(np.inf)), _both, (history.ndim - 1,))
 
 
 def _positive_finite(x):
@@ -191,10 +194,16 @@ def _bad_scale(scale):
     return lax.bitwise_not(_positive_finite(scale))
 
 
-def _calibrates(longest, scale):
-    """Whether a call calibrates: its history is empty (`longest`, the `_guarded_max`, is
-    0) or corrupt (inf), or its scale is."""
-    return lax.bitwise_or(lax.bitwise_not(_positive_finite(longest)), _bad_scale(scale))
+def _corrupt(longest, lowest, scale):
+    """Whether a state holds values no fp8ax update writes (see `_history_bounds`)."""
+    bad_history = lax.bitwise_or(lax.bitwise_not(lax.is_finite(longest)), lax.lt(lowest, np.float32(0)))
+    return lax.bitwise_or(bad_history, _bad_scale(scale))
+
+
+def _calibrates(longest, lowest, scale):
+    """Whether a call calibrates: its history is empty (its max is 0) or its state is
+    corrupt."""
+    return lax.bitwise_or(lax.eq(longest, np.float32(0)), _corrupt(longest, lowest, scale))
 
 
 class DelayedScaling(AbstractScalingRecipe):
@@ -206,7 +215,10 @@ class DelayedScaling(AbstractScalingRecipe):
         scale = amax / fp8_max * 2**margin
 
     where `fp8_max` is the largest finite value of the operand's format (448 for E4M3,
-    57344 for E5M2). A zero or non-finite amax keeps the previous scale. The call's own
+    57344 for E5M2). A zero or non-finite amax keeps the previous scale. A history that no
+    fp8ax update could have written (a negative, NaN or inf entry: the state went through
+    an optimiser) raises an error with `calibrate_first_call`, and otherwise gives no
+    amax, so the previous scale is kept. The call's own
     amax then goes to the front of the history (index 0), the rest shifts back by one and
     the oldest entry drops. A call whose tensor is all zero or holds a NaN/inf observes
     nothing: the state stays exactly as it was (the call itself still runs, and a NaN
@@ -358,9 +370,13 @@ class DelayedScaling(AbstractScalingRecipe):
         scale, history = state
         fp8_max = _formats.fp8_max(dtype)
         if not self.calibrate_first_call:
-            # History entries are finite (only valid amaxes are recorded).
-            longest = lax.reduce_max(history, (history.ndim - 1,))
-            used = self._checked(self._past_amax(history, longest), scale, fp8_max, finite_amax=True)
+            # No conditional, so no corrupt-state error here; a history no fp8ax update
+            # writes (a negative, NaN or inf entry) gives no delayed amax and the scale
+            # stays as it was. The min costs nothing: with it the history's reduction is
+            # one kernel on XLA:CPU instead of two (see `_history_bounds`).
+            longest, lowest = _history_bounds(history)
+            past = _formats.select(lax.ge(lowest, np.float32(0)), self._past_amax(history, longest), lax.full_like(longest, 0))
+            used = self._checked(past, scale, fp8_max)
             values = _formats.quantize(x, used, dtype)
         else:
             # The predicate is the only thing computed outside the branches: each branch
@@ -368,24 +384,26 @@ class DelayedScaling(AbstractScalingRecipe):
             # state that went through an optimiser (`eqx.apply_updates` on the raw
             # gradient) holds negative or non-finite values: it takes the rarely-run
             # branch too, which raises.
-            longest = _guarded_max(history)
+            longest, lowest = _history_bounds(history)
             watch = _StaleWatch()
 
-            def calibrating(x, scale, history, longest):
+            def calibrating(x, scale, history, longest, lowest):
                 del history
                 # The predicate again, rather than passed in: as an operand as well as
                 # the branch index it costs a kernel per tensor on CPU.
-                corrupt = lax.bitwise_or(lax.eq(longest, np.float32(np.inf)), _bad_scale(scale))
-                jax.debug.callback(watch.tick, _calibrates(longest, scale), corrupt)  # on the host, when this branch runs
+                corrupt = _corrupt(longest, lowest, scale)
+                calibrates = _calibrates(longest, lowest, scale)
+                jax.debug.callback(watch.tick, calibrates, corrupt)  # on the host, when this branch runs
                 used = self._checked(merge(_formats.amax(x)), scale, fp8_max)
                 return used, _formats.reciprocal(used)
 
-            def delayed(x, scale, history, longest):
-                del x
+            def delayed(x, scale, history, longest, lowest):
+                del x, lowest
                 used = self._checked(self._past_amax(history, longest), scale, fp8_max, finite_amax=True)
                 return used, _formats.reciprocal(used)
 
-            used, inv = lax.cond(_calibrates(longest, scale), calibrating, delayed, x, scale, history, longest)
+            pred = _calibrates(longest, lowest, scale)
+            used, inv = lax.cond(pred, calibrating, delayed, x, scale, history, longest, lowest)
             # The calibrating branch's scale is batched like its tensor under vmap; it is
             # the same in every example (its amax is merged), so merging `inv` by the
             # same rule keeps it the reciprocal of `used`.
