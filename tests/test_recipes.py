@@ -145,6 +145,15 @@ def test_without_calibration_a_corrupt_history_keeps_the_scale(history, expected
     np.testing.assert_array_equal(np.asarray(q.values, np.float32), np.asarray(_q(x, want, ml_dtypes.float8_e4m3fn, 448.0), np.float32))
     # The call's own observation is recorded as usual.
     assert float(new_hist[0]) == 2.0 and float(new_scale) == want
+    # `scale_for_call`, the formula written out, agrees, with either `calibrate_first_call`
+    # when the history is filled or corrupt.
+    for calibrate in (False, True):
+        r = fp8ax.DelayedScaling(history_length=4, calibrate_first_call=calibrate)
+        got = jax.jit(r.scale_for_call, static_argnums=3)(
+            jnp.float32(old_scale), jnp.asarray(history, jnp.float32), jnp.float32(2.0), 448.0)
+        if calibrate and history == [0.0] * 4:
+            want = np.float32(2.0 * np.float32(1 / 448.0))  # an empty history calibrates on the call's amax
+        assert np.asarray(got) == want, calibrate
 
 
 def test_scaling_state_init():

@@ -226,6 +226,17 @@ def test_never_observed_state_is_an_error(getkey):
         fp8ax.to_serving(model)
 
 
+@pytest.mark.parametrize("role, what", [("lhs", "activation"), ("rhs", "weight")])
+def test_corrupt_state_is_an_error(role, what, getkey):
+    # A state that went through an optimiser (`eqx.apply_updates` on the raw gradient)
+    # would freeze a scale from values fp8ax never wrote.
+    model, _ = _trained("haliax", fp8ax.Fp8Config(), jnp.float32, getkey)
+    where = lambda m: getattr(m.down_proj.dot_general, role).amax_history
+    broken = eqx.tree_at(where, model, where(model).at[2].set(-0.5))
+    with pytest.raises(ValueError, match=rf"Layer `down_proj`, {what} state.*negative or non-finite.*fp8ax\.apply_updates"):
+        fp8ax.to_serving(broken)
+
+
 def test_plain_model_and_haliax_fp8_are_errors(getkey):
     plain = HaliaxMLP.init(key=getkey())
     with pytest.raises(ValueError, match=r"found no FP8 layer.*fp8_linear_layers"):

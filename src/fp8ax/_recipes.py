@@ -330,12 +330,16 @@ class DelayedScaling(AbstractScalingRecipe):
     ) -> Float[Array, ""]:
         """The dequantisation scale one call uses, from the state before the call (and,
         while the history is empty and `calibrate_first_call` is set, the call's own
-        `amax`)."""
-        # History entries are >= 0, and all 0 until something is recorded.
-        longest = jnp.max(amax_history, axis=-1)
+        `amax`). A history that no fp8ax update writes (a negative, NaN or inf entry)
+        gives no amax and the scale stays; a call raises on it instead when
+        `calibrate_first_call` is set."""
+        # History entries are >= 0, and all 0 until something is recorded. A history
+        # holding anything else gives no amax, as in `quantize_operand`.
+        longest, lowest = _history_bounds(amax_history)
         past = self._past_amax(amax_history, longest)
+        past = _formats.select(lax.ge(lowest, np.float32(0)), past, lax.full_like(past, 0))
         if self.calibrate_first_call:
-            past = _formats.select(longest == 0, amax, past)
+            past = _formats.select(lax.eq(longest, np.float32(0)), amax, past)
         return self._checked(past, scale, fp8_max)
 
     def next_state(

@@ -31,7 +31,7 @@ from . import _formats
 from ._dot_general import Fp8DotGeneral, _check_operand, make_call
 from ._pipeline import Call, _gemm, _quantise, vma
 from ._quantized import QuantizedArray
-from ._recipes import DelayedScaling
+from ._recipes import _CORRUPT_STATE, DelayedScaling
 from ._settings import GemmSettings
 from ._transform import Fp8Linear, linear_call, path_str
 
@@ -334,10 +334,14 @@ def _vmapped(f, n: int):
 
 def _check_filled(layer: str, dg: Fp8DotGeneral, stacked: str) -> None:
     for role, what in (("lhs", "activation"), ("rhs", "weight")):
-        history = getattr(dg, role).amax_history
+        state = getattr(dg, role)
+        history = state.amax_history
         if isinstance(history, jax.core.Tracer):
             raise ValueError("`fp8ax.to_serving` reads the FP8 state, so it must be called outside `jax.jit`.")
-        empty = np.max(np.asarray(history), axis=-1) == 0
+        history, scale = np.asarray(history), np.asarray(state.scale)
+        if not (np.isfinite(history).all() and (history >= 0).all() and np.isfinite(scale).all() and (scale > 0).all()):
+            raise ValueError(f"Layer `{layer}`, {what} state (`{role}`): {_CORRUPT_STATE}")
+        empty = np.max(history, axis=-1) == 0
         if np.any(empty):
             where = ""
             if empty.ndim:
