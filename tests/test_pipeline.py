@@ -4,6 +4,7 @@ settings object."""
 import dataclasses
 import subprocess
 import sys
+import warnings
 
 import equinox as eqx
 import jax
@@ -31,7 +32,9 @@ def test_delayed_scaling_casts_do_not_wait_for_their_amax(getkey):
     # 3 layers x (input, kernel, output gradient), each quantised once.
     assert len(walk.converts) == 9
     assert walk.amaxes >= 9  # every tensor's amax is still computed, for the state
-    assert walk.branches == [DELAYED] * 9  # the delayed branch every time: nothing calibrates
+    # Two conditionals per layer (one for both forward operands, one for the output
+    # gradient), and the delayed branch every time: nothing calibrates.
+    assert walk.branches == [DELAYED] * 6
     assert not any(walk.converts)
 
 
@@ -41,7 +44,7 @@ def test_first_step_calibrates_on_its_own_amax(getkey):
     model = _model(getkey)
     x = jax.random.normal(getkey(), (32, 8))
     walk = _walk_step(model, x)
-    assert walk.branches == [CALIBRATING] * 9
+    assert walk.branches == [CALIBRATING] * 6
     assert len(walk.converts) == 9 and all(walk.converts)
 
 
@@ -146,3 +149,56 @@ def test_tracing_leaves_nothing_behind_at_exit():
     assert out.returncode == 0, out.stderr
     assert out.stdout == "ok\n"
     assert "Exception ignored" not in out.stderr, out.stderr
+
+
+def test_forward_operands_are_quantised_together(getkey, monkeypatch):
+    # Each layer's two forward operands go through one `quantize_operands` (delayed
+    # scaling: one conditional for both), its output gradient through another.
+    groups = []
+    quantize_operands = fp8ax.DelayedScaling.quantize_operands
+
+    def counting(self, operands):
+        groups.append(len(operands))
+        return quantize_operands(self, operands)
+
+    monkeypatch.setattr(fp8ax.DelayedScaling, "quantize_operands", counting)
+    dgs = [fp8ax.Fp8DotGeneral.init() for _ in range(3)]
+    ws = [jax.random.normal(getkey(), shape) for shape in ((8, 16), (16, 16), (16, 4))]
+    x = jax.random.normal(getkey(), (32, 8))
+    dims = (((1,), (0,)), ((), ()))
+
+    def loss(dgs):
+        y = x
+        for dg, w in zip(dgs, ws):
+            y = dg(y, w, dims)
+        return jnp.sum(y**2)
+
+    eqx.filter_jit(eqx.filter_grad(loss)).lower(dgs)
+    assert groups == [2, 2, 2, 1, 1, 1]
+
+
+def test_layers_of_one_shape_are_watched_apart(getkey, monkeypatch):
+    # Five fresh layers of one shape each calibrate once, which is not one layer
+    # calibrating five times (a trace cache keyed by shape would make it look so).
+    monkeypatch.setattr(fp8ax._recipes._StaleWatch, "warned", False)
+    monkeypatch.setattr(fp8ax._recipes, "STALE_CALLS", 3)
+    layers = fp8ax.fp8_linear_layers([eqx.nn.Linear(8, 8, key=getkey()) for _ in range(5)])
+    x = jax.random.normal(getkey(), (4, 8))
+
+    def loss(layers):
+        y = x
+        for layer in layers:
+            y = jax.vmap(layer)(y)
+        return jnp.sum(y**2)
+
+    @eqx.filter_jit
+    def step(layers):
+        overwrite, _ = fp8ax.partition_for_grad_overwrite(eqx.filter_grad(loss)(layers))
+        return fp8ax.apply_updates(layers, None, overwrite)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layers = step(layers)
+        jax.effects_barrier()
+    assert not caught
+    assert all(float(jnp.max(layer.dot_general.grad.amax_history)) > 0 for layer in layers)

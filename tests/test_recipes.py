@@ -121,6 +121,69 @@ def test_hand_replay_five_steps(recipe, getkey):
         np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("empty", ["lhs", "rhs", "grad"])
+def test_hand_replay_when_some_histories_are_empty(empty, getkey):
+    # A call decides once whether it calibrates (any of its three histories empty), but
+    # each tensor still gets the scale its own history gives: a filled history its delayed
+    # scale, the empty one its own amax. (Fresh layers and filled ones are covered above.)
+    recipe = fp8ax.DelayedScaling(history_length=4)
+    reps = {"lhs": _Replay(recipe, 448.0), "rhs": _Replay(recipe, 448.0), "grad": _Replay(recipe, 57344.0)}
+    dg = fp8ax.Fp8DotGeneral.init(recipe)
+    for role, past in (("lhs", [5.0, 2.0, 0.0, 0.0]), ("rhs", [0.5, 0.0, 0.0, 0.0]), ("grad", [3e-3, 1.0, 0.0, 0.0])):
+        if role == empty:
+            continue
+        reps[role].hist, reps[role].scale = np.asarray(past), 0.125
+        st = fp8ax.ScalingState(jnp.float32(0.125), jnp.asarray(past, jnp.float32))
+        dg = eqx.tree_at(lambda d: getattr(d, role), dg, st)
+
+    @eqx.filter_jit
+    def step(dg, x, w, gy):
+        def f(dg):
+            y = dg(x, w, DIMS)
+            return jnp.sum(y * gy), y
+
+        grads, y = eqx.filter_grad(f, has_aux=True)(dg)
+        overwrite, _ = fp8ax.partition_for_grad_overwrite(grads)
+        return fp8ax.apply_updates(dg, None, overwrite), y
+
+    for t, (mx, mw, mg) in enumerate([(1000.0, 3.0, 1e-7), (2.0, 0.5, 10.0)]):
+        x = jax.random.normal(getkey(), (8, 16), jnp.float32) * mx
+        w = jax.random.normal(getkey(), (16, 4), jnp.float32) * mw
+        gy = jax.random.normal(getkey(), (8, 4), jnp.float32) * mg
+        sl, sr = reps["lhs"].call(x), reps["rhs"].call(w)
+        reps["grad"].call(gy)
+        dg, y = step(dg, x, w, gy)
+        for role, rep in reps.items():
+            st = getattr(dg, role)
+            np.testing.assert_allclose(np.asarray(st.scale), rep.scale, rtol=1e-6, err_msg=f"{role}, step {t}")
+            np.testing.assert_allclose(np.asarray(st.amax_history), rep.hist, rtol=1e-6, err_msg=f"{role}, step {t}")
+        # rtol 1e-5: float64 here, float32 accumulation there.
+        ref = (_q(x, sl, ml_dtypes.float8_e4m3fn, 448.0) @ _q(w, sr, ml_dtypes.float8_e4m3fn, 448.0)) * (sl * sr)
+        np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+
+
+def test_operands_quantised_together_match_one_by_one(getkey):
+    # `quantize_operands` (one decision for the call) against `quantize_operand` of each
+    # operand alone, with one filled history and one empty.
+    recipe = fp8ax.DelayedScaling(history_length=4)
+    xs = [jax.random.normal(getkey(), (3, 4)) * 900.0, jax.random.normal(getkey(), (4, 5))]
+    states = [(jnp.float32(0.5), jnp.asarray([3.0, 1.0, 0.0, 0.0], jnp.float32)),
+              (jnp.float32(1.0), jnp.zeros(4, jnp.float32))]
+    together = jax.jit(
+        lambda xs, states: recipe.quantize_operands([fp8ax.Operand(x, (1,), recipe.fwd_dtype, st) for x, st in zip(xs, states)])
+    )(xs, states)
+    alone = [jax.jit(lambda x, st: recipe.quantize_operand(x, (1,), recipe.fwd_dtype, state=st))(x, st)
+             for x, st in zip(xs, states)]
+    # The filled history's delayed scale, and the empty one's own amax (one float32 multiply).
+    want = [np.float32(3.0) * np.float32(1 / 448.0), np.float32(np.max(np.abs(np.asarray(xs[1])))) * np.float32(1 / 448.0)]
+    for (q, new), (q1, new1), x, w in zip(together, alone, xs, want):
+        assert np.asarray(q.scale) == w == np.asarray(q1.scale)
+        np.testing.assert_array_equal(np.asarray(q.values, np.float32), np.asarray(_q(x, w, ml_dtypes.float8_e4m3fn, 448.0), np.float32))
+        np.testing.assert_array_equal(np.asarray(q.values, np.float32), np.asarray(q1.values, np.float32))
+        for a, b in zip(new, new1):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize(
     "history, expected",
     [

@@ -5,7 +5,7 @@ from importlib.metadata import version as _version
 # configuration
 from ._config import Fp8Config as Fp8Config
 from ._settings import GemmSettings as GemmSettings
-from ._recipes import AbstractScalingRecipe as AbstractScalingRecipe, DelayedScaling as DelayedScaling
+from ._recipes import AbstractScalingRecipe as AbstractScalingRecipe, DelayedScaling as DelayedScaling, Operand as Operand
 from ._current import (
     AbstractStatelessRecipe as AbstractStatelessRecipe,
     CurrentScaling as CurrentScaling,

@@ -248,6 +248,8 @@ def merged_amax(amax, state):
     but not the state (per-example `eqx.nn.Linear` under `jax.vmap`) is part of one
     observation, so its amaxes are reduced with max. An axis that maps the state too
     (stacked layers, `eqx.filter_vmap` ensembles) holds independent copies and stays.
+    `amax` may be a pytree of values of one observation, each merged by that rule (one
+    call costs less to trace than one per value).
     """
     del state
     return amax
@@ -256,9 +258,17 @@ def merged_amax(amax, state):
 @merged_amax.def_vmap
 def _merged_amax_vmap(axis_size, in_batched, amax, state):
     amax_batched, state_batched = in_batched
-    if amax_batched and not state_batched:
+    leaves, tree = jax.tree.flatten(amax)
+    out, out_batched, reduced = [], [], False
+    for value, batched in zip(leaves, jax.tree.leaves(amax_batched)):
+        if batched and not state_batched:
+            value, batched, reduced = jnp.max(value, axis=0), False, True
+        elif not batched and state_batched:
+            value, batched = jnp.broadcast_to(value, (axis_size, *jnp.shape(value))), True
+        out.append(value)
+        out_batched.append(batched)
+    out = tree.unflatten(out)
+    if reduced:
         # Recurse so an enclosing vmap applies the same rule to its own axis.
-        return merged_amax(jnp.max(amax, axis=0), state), False
-    if not amax_batched and state_batched:
-        return jnp.broadcast_to(amax, (axis_size, *jnp.shape(amax))), True
-    return amax, amax_batched
+        out = merged_amax(out, state)
+    return out, tree.unflatten(out_batched)

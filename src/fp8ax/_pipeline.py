@@ -31,6 +31,7 @@ from ._current import content_key
 from ._layout import bwd_layout, oriented_gemm, rescale
 from ._maxgrad import as_f32, merged_amax, raw_to_max
 from ._quantized import QuantizedArray
+from ._recipes import Operand
 from ._settings import GemmSettings
 
 ROLES = ("lhs", "rhs", "grad")
@@ -70,7 +71,8 @@ def _merge_for(scale):
     `jax.jit` with shardings, XLA computes the global max by itself.)"""
 
     def merge(value):
-        return merged_amax(reduce_to(value, vma(scale), lax.pmax), scale)
+        # `value`: one observation, or a pytree of values observed together.
+        return merged_amax(jax.tree.map(lambda v: reduce_to(v, vma(scale), lax.pmax), value), scale)
 
     return merge
 
@@ -92,15 +94,70 @@ def _lay_out_by_axis_mapping(q, axes: tuple[str, ...] | None):
     return lax.bitcast_convert_type(hax.shard(named).array, q.dtype)
 
 
-def _quantise(call: Call, role: str, x, axes, state=None, key=None):
-    """Operand `role` quantised along `axes` (contracted), and its new state. `(None,
-    None)` if the settings keep that operand in high precision."""
+def _operand_for(call: Call, role: str, x, axes, state=None, key=None, plan=None):
     recipe = call.settings.operand_recipe(role)
-    if recipe is None:
-        return None, None
     dtype = recipe.grad_dtype if role == "grad" else recipe.fwd_dtype
     merge = _merge_for(state[0]) if state is not None else (lambda v: v)
-    return recipe.quantize_operand(x, tuple(axes), dtype, state=state, key=key, merge=merge)
+    return Operand(x, tuple(axes), dtype, state, key, merge, plan)
+
+
+def _quantise(call: Call, role: str, x, axes, state=None, key=None, plan=None):
+    """Operand `role` quantised along `axes` (contracted), and its new state. `(None,
+    None)` if the settings keep that operand in high precision."""
+    return _quantise_together(call, [(role, x, axes, state, key, plan)])[0]
+
+
+def _quantise_together(call: Call, items) -> list:
+    """`_quantise` of several `(role, x, axes, state, key, plan)` of one call, each
+    recipe quantising its operands in one `quantize_operands` (so that delayed scaling
+    decides once whether they calibrate)."""
+    out = [(None, None)] * len(items)
+    for recipe, idx in _by_recipe(call, [item[0] for item in items]):
+        ops = [_operand_for(call, *items[i]) for i in idx]
+        for i, result in zip(idx, recipe.quantize_operands(ops)):
+            out[i] = result
+    return out
+
+
+def _by_recipe(call: Call, roles) -> list:
+    """`(recipe, indices into roles)` for the roles a recipe quantises, in order."""
+    groups = []
+    for i, role in enumerate(roles):
+        recipe = call.settings.operand_recipe(role)
+        if recipe is None:
+            continue
+        for group in groups:
+            if group[0] == recipe:
+                group[1].append(i)
+                break
+        else:
+            groups.append((recipe, [i]))
+    return groups
+
+
+def _grad_once(call: Call) -> bool:
+    """Whether the output gradient is quantised once for both backward GEMMs: a
+    tensor-wise, round-to-nearest recipe (and a stateful recipe observes it once)."""
+    recipe = call.settings.operand_recipe("grad")
+    hp = call.settings.high_precision_gemms
+    return (recipe is not None and recipe.scale_layout == "tensor" and not _stochastic(recipe)
+            and not ("dlhs" in hp and "drhs" in hp))
+
+
+def _plans(call: Call, states: dict) -> dict:
+    """Each stateful operand's plan (see `AbstractScalingRecipe.plan`): a recipe plans
+    the operands it quantises with state in this call, forward ones and the gradient,
+    together, in the forward pass."""
+    plans = dict.fromkeys(ROLES)
+    roles = [r for r in ROLES if states[r] is not None]
+    if "fwd" in call.settings.high_precision_gemms:
+        roles = [r for r in roles if r == "grad"]
+    if not _grad_once(call):
+        roles = [r for r in roles if r != "grad"]
+    for recipe, idx in _by_recipe(call, roles):
+        planned = recipe.plan([states[roles[i]] for i in idx])
+        plans.update((roles[i], p) for i, p in zip(idx, planned))
+    return plans
 
 
 def _reusable(call: Call, role: str, q) -> bool:
@@ -168,13 +225,15 @@ def quantized_dot(call: Call, lhs, rhs, *state) -> Array:
 
 
 def _fwd(call: Call, lhs, rhs, *raw):
-    st = call.settings
     states = _states(raw)
+    st = call.settings
+    plans = _plans(call, states)
     (lc, rc), _ = call.dims
     ql = qr = new_l = new_r = None
     if "fwd" not in st.high_precision_gemms:
-        ql, new_l = _quantise(call, "lhs", lhs, lc, states["lhs"])
-        qr, new_r = _quantise(call, "rhs", rhs, rc, states["rhs"])
+        (ql, new_l), (qr, new_r) = _quantise_together(
+            call, [("lhs", lhs, lc, states["lhs"], None, plans["lhs"]), ("rhs", rhs, rc, states["rhs"], None, plans["rhs"])]
+        )
         if qr is not None and states["rhs"] is not None and st.fp8_all_gather_axes is not None:
             qr = QuantizedArray(_lay_out_by_axis_mapping(qr.values, st.fp8_all_gather_axes), qr.scale)
     out = _gemm(call, ql, lhs, qr, rhs, call.dims, call.fwd_precision, call.out_dtype)
@@ -182,12 +241,12 @@ def _fwd(call: Call, lhs, rhs, *raw):
     # scale, GEMM not in high precision); otherwise the operand itself.
     res_l = ql if _reusable(call, "lhs", ql) and "drhs" not in st.high_precision_gemms else lhs
     res_r = qr if _reusable(call, "rhs", qr) and "dlhs" not in st.high_precision_gemms else rhs
-    return out, (res_l, res_r, new_l, new_r, states["grad"])
+    return out, (res_l, res_r, new_l, new_r, states["grad"], plans["grad"])
 
 
 def _bwd(call: Call, residuals, g):
     st = call.settings
-    res_l, res_r, new_l, new_r, g_state = residuals
+    res_l, res_r, new_l, new_r, g_state, g_plan = residuals
     (_, _), (_, rb) = call.dims
     lay = bwd_layout(call.dims, _ndim(res_l), _ndim(res_r))
     hp = st.high_precision_gemms
@@ -198,9 +257,8 @@ def _bwd(call: Call, residuals, g):
     # A tensor-wise, round-to-nearest gradient is quantised once for both GEMMs (and a
     # stateful recipe observes it once).
     shared_g, new_g = None, None
-    if grad_recipe is not None and grad_recipe.scale_layout == "tensor" and not stochastic:
-        if not ("dlhs" in hp and "drhs" in hp):
-            shared_g, new_g = _quantise(call, "grad", g, lay.g_rfree, g_state)
+    if _grad_once(call):
+        shared_g, new_g = _quantise(call, "grad", g, lay.g_rfree, g_state, plan=g_plan)
 
     # d lhs = g . rhs, contracting g's rhs-free dims with rhs's free dims.
     if "dlhs" in hp:

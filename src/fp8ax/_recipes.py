@@ -4,10 +4,14 @@
 # gradient: the recipe's `fwd_dtype` or `grad_dtype`) and the axes that GEMM contracts,
 # into a `QuantizedArray` whose scale has a declared layout. A stateful recipe reads its
 # state and returns the new one; the GEMM pipeline (`_pipeline.py`) is the same for all.
+# The pipeline hands a recipe the operands of one call together (`plan`, then
+# `quantize_operands`), so that a recipe can decide once per call what it would
+# otherwise decide per operand: delayed scaling's "does this call calibrate".
 
+import functools
 import warnings
-from collections.abc import Callable
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, NamedTuple
 
 import equinox as eqx
 import jax
@@ -35,6 +39,19 @@ def _grad_dtype(value):
 
 def _no_merge(value):
     return value
+
+
+class Operand(NamedTuple):
+    """One operand of a call, as [`fp8ax.AbstractScalingRecipe.quantize_operands`][]
+    takes it: the arguments of `quantize_operand`, plus the operand's `plan`."""
+
+    x: Array
+    contracting_axes: tuple[int, ...]
+    dtype: np.dtype
+    state: tuple[Array, Array] | None = None
+    key: Any = None
+    merge: Callable[[Array], Array] = _no_merge
+    plan: Any = None
 
 
 class AbstractScalingRecipe(eqx.Module):
@@ -100,9 +117,10 @@ class AbstractScalingRecipe(eqx.Module):
         - `state`: the operand's `(scale, amax_history)` (float32) for a stateful
           recipe, None otherwise. (Keyword only argument.)
         - `key`: a PRNG key for stochastic rounding, or None. (Keyword only argument.)
-        - `merge`: reduces a per-call observation (an amax) to one value for the whole
-          observation: a max over `vmap` data axes and `shard_map` shards the state does
-          not vary over. (Keyword only argument.)
+        - `merge`: reduces a per-call observation (an amax, or a pytree of values
+          observed together) to one value for the whole observation: a max over `vmap`
+          data axes and `shard_map` shards the state does not vary over. (Keyword only
+          argument.)
 
         **Returns:**
 
@@ -112,6 +130,26 @@ class AbstractScalingRecipe(eqx.Module):
         a layer are merged with an elementwise max.
         """
         raise NotImplementedError
+
+    def plan(self, states: Sequence[tuple[Array, Array] | None]) -> list[Any]:
+        """What the operands of one call share, decided once from their states.
+
+        The GEMM pipeline calls this once per call, in the forward pass, with the state
+        of every operand of the call that this recipe quantises with state (forward
+        operands and output gradient), and hands each operand its plan in
+        `quantize_operands`, in the forward pass or the backward one. A plan is a pytree
+        of arrays (it is kept for the backward pass). The default plans nothing: one None
+        per state.
+        """
+        return [None] * len(states)
+
+    def quantize_operands(self, operands: Sequence[Operand]) -> list[tuple[QuantizedArray, NewState]]:
+        """Quantises several operands of one call, each as `quantize_operand` would, with
+        their plans (see `plan`). The default quantises them one by one."""
+        return [
+            self.quantize_operand(op.x, op.contracting_axes, op.dtype, state=op.state, key=op.key, merge=op.merge)
+            for op in operands
+        ]
 
 
 _CORRUPT_STATE = (
@@ -145,14 +183,15 @@ class _StaleWatch:
         self.calls = 0
 
     def tick(self, calibrating, corrupt):
+        # One flag per operand of the call (under `vmap`, an array of them per operand).
         # The check of a state that went through an optimiser lives here rather than in
         # an `eqx.error_if`: tracing one costs about 15k Python calls per quantised
         # tensor per trace (23% of the lowering of a two-layer step), this callback is
         # there anyway, and the error reaches the caller all the same (as the runtime
         # error of the failed callback, with this message in it).
-        if corrupt:
+        if any(np.any(c) for c in corrupt):
             raise ValueError(_CORRUPT_STATE)
-        if not calibrating:
+        if not any(np.any(c) for c in calibrating):
             return
         self.calls += 1
         if self.calls == STALE_CALLS and not _StaleWatch.warned:
@@ -200,10 +239,20 @@ def _corrupt(longest, lowest, scale):
     return lax.bitwise_or(bad_history, _bad_scale(scale))
 
 
-def _calibrates(longest, lowest, scale):
+def _calibrates(longest, lowest, scale, corrupt=None):
     """Whether a call calibrates: its history is empty (its max is 0) or its state is
-    corrupt."""
-    return lax.bitwise_or(lax.eq(longest, np.float32(0)), _corrupt(longest, lowest, scale))
+    corrupt (`corrupt`, if it is already computed)."""
+    if corrupt is None:
+        corrupt = _corrupt(longest, lowest, scale)
+    return lax.bitwise_or(lax.eq(longest, np.float32(0)), corrupt)
+
+
+class _Plan(NamedTuple):
+    """Delayed scaling's plan for one operand of a call."""
+
+    calibrates: Array | None  # the call's flag (None without `calibrate_first_call`)
+    longest: Array  # the history's max
+    lowest: Array  # and min
 
 
 class DelayedScaling(AbstractScalingRecipe):
@@ -361,56 +410,94 @@ class DelayedScaling(AbstractScalingRecipe):
         return _formats.select(valid, scale_used, zero), history
 
     def quantize_operand(self, x, contracting_axes, dtype, *, state=None, key=None, merge=_no_merge):
+        return self.quantize_operands([Operand(x, contracting_axes, dtype, state, key, merge)])[0]
+
+    def plan(self, states):
+        # Each history's (max, min), which every later step needs, and, with
+        # `calibrate_first_call`, whether the call calibrates: one flag for the whole
+        # call, true while any of its operands' histories is empty (or corrupt). One
+        # conditional then serves both forward operands, and the output gradient's
+        # reuses the flag: two conditionals per layer and no per-tensor predicate.
+        if any(state is None for state in states):
+            raise ValueError("`state` is required: DelayedScaling quantises with the state of the operand.")
+        bounds = [_history_bounds(history) for _, history in states]
+        if not self.calibrate_first_call:
+            return [_Plan(None, *b) for b in bounds]
+        flags = [_calibrates(longest, lowest, scale) for (scale, _), (longest, lowest) in zip(states, bounds)]
+        calibrates = functools.reduce(lax.bitwise_or, flags)
+        return [_Plan(calibrates, *b) for b in bounds]
+
+    def quantize_operands(self, operands):
         # True delayed scaling: the values are quantised with the scale the history gives,
         # and the tensor's amax (for the next state) is computed beside the cast, not
         # before it: nothing in the cast waits for a reduction over the tensor, so a
         # compiler can fuse both into one pass. The first call of a fresh layer (empty
         # history) calibrates its scale on its own amax instead, in the other branch of a
-        # `lax.cond` on "history empty". The branch gets the tensor, not its amax, so the
-        # cast depends on the tensor's values only through the branch that runs once.
-        del contracting_axes, key
-        if state is None:
+        # `lax.cond` on "the call calibrates". The branch gets the tensors, not their
+        # amaxes, so a cast depends on its tensor's values only through the branch that
+        # runs once.
+        operands = list(operands)
+        if any(op.state is None for op in operands):
             raise ValueError("`state` is required: DelayedScaling quantises with the state of the operand.")
-        scale, history = state
-        fp8_max = _formats.fp8_max(dtype)
+        if any(op.plan is None for op in operands):
+            operands = [op._replace(plan=p) for op, p in zip(operands, self.plan([op.state for op in operands]))]
+        fp8_maxes = [_formats.fp8_max(op.dtype) for op in operands]
         if not self.calibrate_first_call:
             # No conditional, so no corrupt-state error here; a history no fp8ax update
             # writes (a negative, NaN or inf entry) gives no delayed amax and the scale
             # stays as it was. The min costs nothing: with it the history's reduction is
             # one kernel on XLA:CPU instead of two (see `_history_bounds`).
-            longest, lowest = _history_bounds(history)
-            past = _formats.select(lax.ge(lowest, np.float32(0)), self._past_amax(history, longest), lax.full_like(longest, 0))
-            used = self._checked(past, scale, fp8_max)
-            values = _formats.quantize(x, used, dtype)
-        else:
-            # The predicate is the only thing computed outside the branches: each branch
-            # returns its scale and the scale's reciprocal, the cast's multiplier. A
-            # state that went through an optimiser (`eqx.apply_updates` on the raw
-            # gradient) holds negative or non-finite values: it takes the rarely-run
-            # branch too, which raises.
-            longest, lowest = _history_bounds(history)
-            watch = _StaleWatch()
+            results = []
+            for op, fp8_max in zip(operands, fp8_maxes):
+                (scale, history), p = op.state, op.plan
+                past = self._past_amax(history, p.longest)
+                past = _formats.select(lax.ge(p.lowest, np.float32(0)), past, lax.full_like(p.longest, 0))
+                used = self._checked(past, scale, fp8_max)
+                values = _formats.quantize(op.x, used, op.dtype)
+                results.append((QuantizedArray(values, used), self.next_state(used, history, op.merge(_formats.amax(op.x)))))
+            return results
+        # The flag is the only thing computed outside the branches: each branch returns
+        # every operand's scale and the scale's reciprocal, the cast's multiplier. A
+        # state that went through an optimiser (`eqx.apply_updates` on the raw gradient)
+        # holds negative or non-finite values: it takes the rarely-run branch too, which
+        # raises. Operands planned apart (separate `plan` calls) calibrate on either flag.
+        flags = {id(op.plan.calibrates): op.plan.calibrates for op in operands}
+        pred = functools.reduce(lax.bitwise_or, flags.values())
+        watch = _StaleWatch()
+        xs = tuple(op.x for op in operands)
+        states = tuple(op.state for op in operands)
+        bounds = tuple((op.plan.longest, op.plan.lowest) for op in operands)
 
-            def calibrating(x, scale, history, longest, lowest):
-                del history
-                # The predicate again, rather than passed in: as an operand as well as
-                # the branch index it costs a kernel per tensor on CPU.
-                corrupt = _corrupt(longest, lowest, scale)
-                calibrates = _calibrates(longest, lowest, scale)
-                jax.debug.callback(watch.tick, calibrates, corrupt)  # on the host, when this branch runs
-                used = self._checked(merge(_formats.amax(x)), scale, fp8_max)
-                return used, _formats.reciprocal(used)
+        def calibrating(xs, states, bounds):
+            out, own, corrupt = [], [], []
+            for op, fp8_max, x, (scale, history), (longest, lowest) in zip(operands, fp8_maxes, xs, states, bounds):
+                # Each operand's own flag again, rather than passed in: as an operand as
+                # well as the branch index it costs a kernel per tensor on CPU. An operand
+                # whose history is filled keeps its delayed scale.
+                corrupt.append(_corrupt(longest, lowest, scale))
+                own.append(_calibrates(longest, lowest, scale, corrupt[-1]))
+                calibrated = self._checked(op.merge(_formats.amax(x)), scale, fp8_max)
+                delayed = self._checked(self._past_amax(history, longest), scale, fp8_max)
+                used = _formats.select(own[-1], calibrated, delayed)
+                out.append((used, _formats.reciprocal(used)))
+            jax.debug.callback(watch.tick, tuple(own), tuple(corrupt))  # on the host, when this branch runs
+            return tuple(out)
 
-            def delayed(x, scale, history, longest, lowest):
-                del x, lowest
+        def delayed(xs, states, bounds):
+            del xs
+            out = []
+            for fp8_max, (scale, history), (longest, _) in zip(fp8_maxes, states, bounds):
                 used = self._checked(self._past_amax(history, longest), scale, fp8_max, finite_amax=True)
-                return used, _formats.reciprocal(used)
+                out.append((used, _formats.reciprocal(used)))
+            return tuple(out)
 
-            pred = _calibrates(longest, lowest, scale)
-            used, inv = lax.cond(pred, calibrating, delayed, x, scale, history, longest, lowest)
+        scales = lax.cond(pred, calibrating, delayed, xs, states, bounds)
+        results = []
+        for op, (used, inv) in zip(operands, scales):
             # The calibrating branch's scale is batched like its tensor under vmap; it is
             # the same in every example (its amax is merged), so merging `inv` by the
             # same rule keeps it the reciprocal of `used`.
-            used, inv = merge(used), merge(inv)
-            values = _formats.quantize(x, used, dtype, inv=inv)
-        return QuantizedArray(values, used), self.next_state(used, history, merge(_formats.amax(x)))
+            used, inv = op.merge((used, inv))
+            values = _formats.quantize(op.x, used, op.dtype, inv=inv)
+            results.append((QuantizedArray(values, used), self.next_state(used, op.state[1], op.merge(_formats.amax(op.x)))))
+        return results
