@@ -77,6 +77,19 @@ def _q(x, scale, ml_dtype, bound):
     return np.clip(scaled, -bound, bound).astype(ml_dtype).astype(np.float64)
 
 
+@eqx.filter_jit
+def _step(dg, x, w, gy):
+    """One training step of a lone dot general: its output and its new state."""
+
+    def f(dg):
+        y = dg(x, w, DIMS)
+        return jnp.sum(y * gy), y
+
+    grads, y = eqx.filter_grad(f, has_aux=True)(dg)
+    overwrite, _ = fp8ax.partition_for_grad_overwrite(grads)
+    return fp8ax.apply_updates(dg, None, overwrite), y
+
+
 @pytest.mark.parametrize(
     "recipe",
     [
@@ -89,16 +102,6 @@ def _q(x, scale, ml_dtype, bound):
 def test_hand_replay_five_steps(recipe, getkey):
     dg = fp8ax.Fp8DotGeneral.init(recipe)
 
-    @eqx.filter_jit
-    def step(dg, x, w, gy):
-        def f(dg):
-            y = dg(x, w, DIMS)
-            return jnp.sum(y * gy), y
-
-        grads, y = eqx.filter_grad(f, has_aux=True)(dg)
-        overwrite, _ = fp8ax.partition_for_grad_overwrite(grads)
-        return fp8ax.apply_updates(dg, None, overwrite), y
-
     rl, rr = _Replay(recipe, 448.0), _Replay(recipe, 448.0)
     rg = _Replay(recipe, 57344.0)
     # Magnitudes change from step to step, including a first step far above E4M3's 448,
@@ -110,7 +113,7 @@ def test_hand_replay_five_steps(recipe, getkey):
         gy = jax.random.normal(getkey(), (8, 4), jnp.float32) * mg
         sl, sr = rl.call(x), rr.call(w)
         rg.call(gy)
-        dg, y = step(dg, x, w, gy)
+        dg, y = _step(dg, x, w, gy)
         # Scales and histories match the replay to float32 rounding.
         for rep, st in ((rl, dg.lhs), (rr, dg.rhs), (rg, dg.grad)):
             np.testing.assert_allclose(np.asarray(st.scale), rep.scale, rtol=1e-6, err_msg=f"step {t}")
@@ -136,23 +139,13 @@ def test_hand_replay_when_some_histories_are_empty(empty, getkey):
         st = fp8ax.ScalingState(jnp.float32(0.125), jnp.asarray(past, jnp.float32))
         dg = eqx.tree_at(lambda d: getattr(d, role), dg, st)
 
-    @eqx.filter_jit
-    def step(dg, x, w, gy):
-        def f(dg):
-            y = dg(x, w, DIMS)
-            return jnp.sum(y * gy), y
-
-        grads, y = eqx.filter_grad(f, has_aux=True)(dg)
-        overwrite, _ = fp8ax.partition_for_grad_overwrite(grads)
-        return fp8ax.apply_updates(dg, None, overwrite), y
-
     for t, (mx, mw, mg) in enumerate([(1000.0, 3.0, 1e-7), (2.0, 0.5, 10.0)]):
         x = jax.random.normal(getkey(), (8, 16), jnp.float32) * mx
         w = jax.random.normal(getkey(), (16, 4), jnp.float32) * mw
         gy = jax.random.normal(getkey(), (8, 4), jnp.float32) * mg
         sl, sr = reps["lhs"].call(x), reps["rhs"].call(w)
         reps["grad"].call(gy)
-        dg, y = step(dg, x, w, gy)
+        dg, y = _step(dg, x, w, gy)
         for role, rep in reps.items():
             st = getattr(dg, role)
             np.testing.assert_allclose(np.asarray(st.scale), rep.scale, rtol=1e-6, err_msg=f"{role}, step {t}")
