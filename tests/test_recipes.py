@@ -219,3 +219,19 @@ def test_scaling_state_init():
     np.testing.assert_array_equal(np.asarray(st.amax_history), 0.0)
     with pytest.raises(ValueError, match="`history_length` must be an int >= 1, got 0"):
         fp8ax.ScalingState.init(0)
+
+
+def test_bad_operands_are_errors():
+    recipe = fp8ax.DelayedScaling(history_length=4)
+    x = jnp.ones((2, 3))
+    state = (jnp.float32(1.0), jnp.zeros(4, jnp.float32))
+    with pytest.raises(TypeError, match=r"`operands` must be a sequence of `fp8ax.Operand`, got an element of type tuple"):
+        recipe.quantize_operands([(x, (1,), recipe.fwd_dtype, state)])
+    with pytest.raises(TypeError, match=r"`operands` must be a sequence of `fp8ax.Operand`"):
+        fp8ax.CurrentScaling().quantize_operands([x])
+    with pytest.raises(ValueError, match=r"`state` is required"):
+        recipe.quantize_operands([fp8ax.Operand(x, (1,), recipe.fwd_dtype)])
+    with pytest.raises(ValueError, match=r"`state` is required"):
+        recipe.plan([state, None])
+    with pytest.raises(TypeError, match=r"`state` must be a `\(scale, amax_history\)` pair, got ScalingState"):
+        recipe.plan([fp8ax.ScalingState.init(4)])

@@ -225,8 +225,8 @@ def quantized_dot(call: Call, lhs, rhs, *state) -> Array:
 
 
 def _fwd(call: Call, lhs, rhs, *raw):
-    states = _states(raw)
     st = call.settings
+    states = _states(raw)
     plans = _plans(call, states)
     (lc, rc), _ = call.dims
     ql = qr = new_l = new_r = None

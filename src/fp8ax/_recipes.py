@@ -54,6 +54,14 @@ class Operand(NamedTuple):
     plan: Any = None
 
 
+def _as_operands(operands) -> list[Operand]:
+    operands = list(operands)
+    for op in operands:
+        if not isinstance(op, Operand):
+            raise TypeError(f"`operands` must be a sequence of `fp8ax.Operand`, got an element of type {type(op).__name__}.")
+    return operands
+
+
 class AbstractScalingRecipe(eqx.Module):
     """How a low-precision dot general quantises its operands: the one interface of every
     fp8ax recipe.
@@ -148,7 +156,7 @@ class AbstractScalingRecipe(eqx.Module):
         their plans (see `plan`). The default quantises them one by one."""
         return [
             self.quantize_operand(op.x, op.contracting_axes, op.dtype, state=op.state, key=op.key, merge=op.merge)
-            for op in operands
+            for op in _as_operands(operands)
         ]
 
 
@@ -245,6 +253,15 @@ def _calibrates(longest, lowest, scale, corrupt=None):
     if corrupt is None:
         corrupt = _corrupt(longest, lowest, scale)
     return lax.bitwise_or(lax.eq(longest, np.float32(0)), corrupt)
+
+
+def _require_states(states):
+    """DelayedScaling quantises every operand with its `(scale, amax_history)`."""
+    for state in states:
+        if state is None:
+            raise ValueError("`state` is required: DelayedScaling quantises with the state of the operand.")
+        if not (isinstance(state, tuple | list) and len(state) == 2):
+            raise TypeError(f"`state` must be a `(scale, amax_history)` pair, got {type(state).__name__}.")
 
 
 class _Plan(NamedTuple):
@@ -418,8 +435,7 @@ class DelayedScaling(AbstractScalingRecipe):
         # call, true while any of its operands' histories is empty (or corrupt). One
         # conditional then serves both forward operands, and the output gradient's
         # reuses the flag: two conditionals per layer and no per-tensor predicate.
-        if any(state is None for state in states):
-            raise ValueError("`state` is required: DelayedScaling quantises with the state of the operand.")
+        _require_states(states)
         bounds = [_history_bounds(history) for _, history in states]
         if not self.calibrate_first_call:
             return [_Plan(None, *b) for b in bounds]
@@ -436,9 +452,8 @@ class DelayedScaling(AbstractScalingRecipe):
         # `lax.cond` on "the call calibrates". The branch gets the tensors, not their
         # amaxes, so a cast depends on its tensor's values only through the branch that
         # runs once.
-        operands = list(operands)
-        if any(op.state is None for op in operands):
-            raise ValueError("`state` is required: DelayedScaling quantises with the state of the operand.")
+        operands = _as_operands(operands)
+        _require_states([op.state for op in operands])
         if any(op.plan is None for op in operands):
             operands = [op._replace(plan=p) for op, p in zip(operands, self.plan([op.state for op in operands]))]
         fp8_maxes = [_formats.fp8_max(op.dtype) for op in operands]
