@@ -9,6 +9,7 @@ import warnings
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import fp8ax
@@ -202,3 +203,30 @@ def test_layers_of_one_shape_are_watched_apart(getkey, monkeypatch):
         jax.effects_barrier()
     assert not caught
     assert all(float(jnp.max(layer.dot_general.grad.amax_history)) > 0 for layer in layers)
+
+
+class _HostOnly:
+    """An array the callback may read through NumPy only: a jax method call (`np.any` of a
+    `jax.Array` calls `.any()`, a jitted computation) fails the test."""
+
+    def __init__(self, value):
+        self.value = np.asarray(value)
+
+    def __array__(self, dtype=None, copy=None):
+        return self.value
+
+    def any(self, *args, **kwargs):
+        raise AssertionError("the stale-state callback ran a computation on the device")
+
+
+def test_stale_watch_runs_nothing_on_the_device():
+    # Regression: a computation dispatched from inside the host callback waits for the
+    # executable that called back; on 8 CPU devices that deadlocked the sharded tests
+    # (XLA aborts after 40 s), about one run in six on a loaded 2-core machine.
+    watch = fp8ax._recipes._StaleWatch()
+    watch.tick((_HostOnly(False), _HostOnly([False, True])), (_HostOnly(False), _HostOnly([False, False])))
+    assert watch.calls == 1
+    watch.tick((_HostOnly(False),), (_HostOnly(False),))
+    assert watch.calls == 1
+    with pytest.raises(ValueError, match="optimiser|optimizer"):
+        watch.tick((_HostOnly(True),), (_HostOnly([False, True]),))

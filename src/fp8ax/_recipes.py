@@ -197,9 +197,14 @@ class _StaleWatch:
         # tensor per trace (23% of the lowering of a two-layer step), this callback is
         # there anyway, and the error reaches the caller all the same (as the runtime
         # error of the failed callback, with this message in it).
-        if any(np.any(c) for c in corrupt):
+        #
+        # `np.asarray` first: `np.any` of a `jax.Array` calls its `.any()`, a jitted
+        # computation. Run from inside the callback it waits for the executable that
+        # called back, which on a multi-device CPU backend can hold every execution slot
+        # (a deadlock that XLA breaks by aborting the process after 40 s).
+        if any(np.asarray(c).any() for c in corrupt):
             raise ValueError(_CORRUPT_STATE)
-        if not any(np.any(c) for c in calibrating):
+        if not any(np.asarray(c).any() for c in calibrating):
             return
         self.calls += 1
         if self.calls == STALE_CALLS and not _StaleWatch.warned:
