@@ -274,11 +274,9 @@ def count_hlo(compiled_text: str) -> dict[str, int]:
     `total`: in all computations (fusion bodies included); `entry`: in the ENTRY
     computation only (the kernels/thunks that run, plus parameters and tuples);
     `kernels`: entry instructions less those that launch nothing (`parameter`,
-    `constant`, `tuple`, `get-tuple-element`, `bitcast`); `nan_select_kernels`: those of
-    the kernels that are fp8ax's NaN-as-inf select before an amax reduction (by their
-    `op_name`), which XLA:CPU cannot fuse into its reduction kernel.
+    `constant`, `tuple`, `get-tuple-element`, `bitcast`).
     """
-    total = entry = kernels = nan_select = 0
+    total = entry = kernels = 0
     in_entry = False
     for line in compiled_text.splitlines():
         if line.startswith("ENTRY "):
@@ -289,10 +287,8 @@ def count_hlo(compiled_text: str) -> dict[str, int]:
         if _HLO_INSTR_RE.match(line):
             total += 1
             entry += in_entry
-            is_kernel = in_entry and hlo_opcode(line) not in _NOT_KERNELS
-            kernels += is_kernel
-            nan_select += is_kernel and "(_amax_nan_as_inf)/select_n" in line
-    return {"total": total, "entry": entry, "kernels": kernels, "nan_select_kernels": nan_select}
+            kernels += in_entry and hlo_opcode(line) not in _NOT_KERNELS
+    return {"total": total, "entry": entry, "kernels": kernels}
 
 
 # --------------------------------------------------------------------------------------
@@ -432,7 +428,6 @@ def run_dtype(args, dtype_name: str, log) -> dict[str, Any]:
                     hlo_instructions_total=hlo["total"],
                     hlo_instructions_entry=hlo["entry"],
                     hlo_entry_kernels=hlo["kernels"],
-                    hlo_entry_nan_select_kernels=hlo["nan_select_kernels"],
                     op_counts=dict(ops["textual"].most_common()),
                     op_counts_inlined=dict(ops["inlined"].most_common()),
                 )
@@ -498,10 +493,6 @@ def run_dtype(args, dtype_name: str, log) -> dict[str, Any]:
                 )
                 / n,
                 "hlo_entry_kernels_added_per_layer": (info[v]["hlo_entry_kernels"] - p["hlo_entry_kernels"]) / n,
-                "hlo_entry_kernels_added_per_layer_less_nan_select": (
-                    info[v]["hlo_entry_kernels"] - info[v]["hlo_entry_nan_select_kernels"] - p["hlo_entry_kernels"]
-                )
-                / n,
                 "hlo_total_instructions_added_per_layer": (
                     info[v]["hlo_instructions_total"] - p["hlo_instructions_total"]
                 )
@@ -582,9 +573,7 @@ def print_table(results: dict, out=sys.stdout):
                 print(
                     f"{'':<9} per converted layer: kernels added "
                     f"{fp['hlo_entry_kernels_added_per_layer']:+.1f} vs {hp['hlo_entry_kernels_added_per_layer']:+.1f} "
-                    f"({fp['hlo_entry_kernels_added_per_layer'] / hp['hlo_entry_kernels_added_per_layer']:.2f}x; "
-                    f"less the NaN-as-inf selects {fp['hlo_entry_kernels_added_per_layer_less_nan_select']:+.1f}, "
-                    f"{fp['hlo_entry_kernels_added_per_layer_less_nan_select'] / hp['hlo_entry_kernels_added_per_layer']:.2f}x), "
+                    f"({fp['hlo_entry_kernels_added_per_layer'] / hp['hlo_entry_kernels_added_per_layer']:.2f}x), "
                     f"entry instructions {fp['hlo_entry_instructions_added_per_layer']:+.1f} vs "
                     f"{hp['hlo_entry_instructions_added_per_layer']:+.1f}; step overhead vs plain "
                     f"{fp['step_ratio']:.3f} vs {hp['step_ratio']:.3f}",

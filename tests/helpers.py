@@ -155,7 +155,8 @@ class _Walk:
                 res = eqn.primitive.bind(*vals, **eqn.params)
                 res = res if eqn.primitive.multiple_results else [res]
                 dep = any(deps_in)
-                if name == "reduce_max" and abs_in[0]:
+                # The tensor's amax: a max (with a min, in one variadic `reduce`) over |x|.
+                if name in ("reduce_max", "reduce") and abs_in[0]:
                     dep = True
                     self.amaxes += 1
                 if name == "convert_element_type" and np.dtype(eqn.params["new_dtype"]) in _FP8:

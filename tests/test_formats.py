@@ -81,14 +81,19 @@ def test_quantize_with_a_given_reciprocal_is_the_same(scale, getkey):
     np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
 
 
+@pytest.mark.parametrize("shape", [(256, 1024), (4096, 1024), (8, 64, 512)])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_amax_counts_a_nan_as_inf_in_a_large_tensor(dtype, getkey):
-    # The CPU reduction kernel for large arrays skips NaNs; fp8ax's amax must not.
-    x = jax.random.normal(getkey(), (256, 1024), jnp.float32)
+def test_amax_counts_a_nan_as_inf_in_a_large_tensor(dtype, shape, getkey):
+    # The CPU reduction kernel for large arrays skips NaNs; fp8ax's amax must not, also
+    # where it is compiled next to the tensor's FP8 cast (as in a training step).
+    x = jax.random.normal(getkey(), shape, jnp.float32)
     want = np.abs(np.asarray(x.astype(dtype), np.float32)).max()
-    assert float(jax.jit(_formats.amax)(x.astype(dtype))) == want
-    assert float(jax.jit(_formats.amax)(x.at[7, 9].set(jnp.nan).astype(dtype))) == np.inf
-    assert float(jax.jit(_formats.amax)(x.at[7, 9].set(-jnp.inf).astype(dtype))) == np.inf
+    with_cast = jax.jit(lambda x: (_formats.amax(x), _formats.quantize(x, jnp.float32(0.5), np.dtype(jnp.float8_e4m3fn))))
+    for fn in (jax.jit(_formats.amax), lambda x: with_cast(x)[0]):
+        assert float(fn(x.astype(dtype))) == want
+        for where in ((0,) * len(shape), tuple(n // 3 for n in shape), tuple(n - 1 for n in shape)):
+            assert float(fn(x.at[where].set(jnp.nan).astype(dtype))) == np.inf, where
+            assert float(fn(x.at[where].set(-jnp.inf).astype(dtype))) == np.inf, where
 
 
 def test_quantize_bf16_input_is_exact_in_f32(getkey):

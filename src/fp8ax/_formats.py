@@ -110,15 +110,27 @@ def amax(x: ArrayLike) -> Array:
 
     XLA's `max` propagates NaN, but the CPU backend of jax 0.10 reduces large arrays with
     a kernel that skips NaNs (`jnp.max(jnp.abs(x))` of a 256x1024 array holding one NaN
-    returns the largest finite value). A NaN therefore counts as +inf in the reduction,
-    on every backend: a GPU fuses the select into its reduction, and one lowering for all
-    backends keeps the program small (a `lax.platform_dependent` lowers both branches
-    into every step). It is jitted so that eager calls with `jax_debug_infs` do not see
-    the inf it holds in place of a NaN."""
-    return _as_f32(_amax_nan_as_inf(_as_array(x)))
+    returns the largest finite value). The max is therefore taken together with the min
+    in one variadic reduction, which every backend compiles as one kernel of its own
+    emitter (with `abs` fused in, and on CPU without the NaN-skipping kernel); the min
+    is NaN exactly when some element is, and turns the amax into +inf then. Both
+    results must be used, or XLA drops the min and takes the plain max again. (Before
+    this, a NaN was replaced by inf with a `select` over the whole tensor: on CPU one
+    more kernel, a full write and read of every quantised tensor.) It is jitted so that
+    eager calls with `jax_debug_infs` do not see the inf it returns for a NaN."""
+    return _amax_nan_as_inf(_as_array(x))
+
+
+def _max_min(a, b):
+    return lax.max(a[0], b[0]), lax.min(a[1], b[1])
 
 
 @jax.jit
 def _amax_nan_as_inf(x):
-    ax = lax.abs(x)
-    return lax.reduce_max(select(lax.eq(ax, ax), ax, lax.full_like(ax, np.inf)), tuple(range(ax.ndim)))
+    # In float32: XLA:CPU reduces a bfloat16 array in float32 anyway, and rounds each
+    # result back to bfloat16 in a scalar kernel of its own (two per tensor).
+    ax = _as_f32(lax.abs(x))
+    hi, lo = lax.reduce(
+        (ax, ax), (np.array(-np.inf, ax.dtype), np.array(np.inf, ax.dtype)), _max_min, tuple(range(ax.ndim))
+    )
+    return select(lax.ne(lo, lo), np.float32(np.inf), hi)
