@@ -89,11 +89,23 @@ def test_amax_counts_a_nan_as_inf_in_a_large_tensor(dtype, shape, getkey):
     x = jax.random.normal(getkey(), shape, jnp.float32)
     want = np.abs(np.asarray(x.astype(dtype), np.float32)).max()
     with_cast = jax.jit(lambda x: (_formats.amax(x), _formats.quantize(x, jnp.float32(0.5), np.dtype(jnp.float8_e4m3fn))))
-    for fn in (jax.jit(_formats.amax), lambda x: with_cast(x)[0]):
+    one_stage = jax.jit(lambda x: _formats._amax_nan_as_inf(x, two_stage=False))
+    two_stage = jax.jit(lambda x: _formats._amax_nan_as_inf(x, two_stage=True))
+    for fn in (jax.jit(_formats.amax), lambda x: with_cast(x)[0], one_stage, two_stage):
         assert float(fn(x.astype(dtype))) == want
         for where in ((0,) * len(shape), tuple(n // 3 for n in shape), tuple(n - 1 for n in shape)):
             assert float(fn(x.at[where].set(jnp.nan).astype(dtype))) == np.inf, where
             assert float(fn(x.at[where].set(-jnp.inf).astype(dtype))) == np.inf, where
+
+
+@pytest.mark.parametrize("shape", [(), (5,), (0, 3), (3, 0), (1, 7), (2, 3, 4)])
+def test_amax_of_small_and_empty_tensors(shape, getkey):
+    # Both reduction strategies against NumPy (an empty tensor has amax -inf, as `max`
+    # with its identity; no recipe records it).
+    x = np.asarray(jax.random.normal(getkey(), shape, jnp.float32))
+    want = np.abs(x).max() if x.size else -np.inf
+    for two_stage in (False, True):
+        assert float(_formats._amax_nan_as_inf(jnp.asarray(x), two_stage=two_stage)) == want
 
 
 def test_quantize_bf16_input_is_exact_in_f32(getkey):

@@ -1,3 +1,5 @@
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -111,26 +113,36 @@ def amax(x: ArrayLike) -> Array:
     XLA's `max` propagates NaN, but the CPU backend of jax 0.10 reduces large arrays with
     a kernel that skips NaNs (`jnp.max(jnp.abs(x))` of a 256x1024 array holding one NaN
     returns the largest finite value). The max is therefore taken together with the min
-    in one variadic reduction, which every backend compiles as one kernel of its own
-    emitter (with `abs` fused in, and on CPU without the NaN-skipping kernel); the min
-    is NaN exactly when some element is, and turns the amax into +inf then. Both
-    results must be used, or XLA drops the min and takes the plain max again. (Before
-    this, a NaN was replaced by inf with a `select` over the whole tensor: on CPU one
-    more kernel, a full write and read of every quantised tensor.) It is jitted so that
-    eager calls with `jax_debug_infs` do not see the inf it returns for a NaN."""
-    return _amax_nan_as_inf(_as_array(x))
+    in one variadic reduction, which backends compile with their own reduction emitter
+    (with `abs` fused in, and on CPU without the NaN-skipping kernel); the min is NaN
+    exactly when some element is, and turns the amax into +inf then. Both results must
+    be used, or XLA drops the min and takes the plain max again. (Before this, a NaN was
+    replaced by inf with a `select` over the whole tensor: on CPU one more kernel, a full
+    write and read of every quantised tensor.)
+
+    On CPU the reduction runs in two stages, over each row (every axis but the last)
+    and then over the rows' results: XLA:CPU splits a reduction across cores only when
+    its result has an outer dimension to split (on 2 cores a 4096x1024 amax takes 0.47
+    ms in two stages against 0.71 ms in one). Max and min are exact, so the order changes
+    nothing in the result. It is jitted so that eager calls with `jax_debug_infs` do not
+    see the inf it returns for a NaN."""
+    return _amax_nan_as_inf(_as_array(x), two_stage=jax.default_backend() == "cpu")
 
 
 def _max_min(a, b):
     return lax.max(a[0], b[0]), lax.min(a[1], b[1])
 
 
-@jax.jit
-def _amax_nan_as_inf(x):
+@functools.partial(jax.jit, static_argnames="two_stage")
+def _amax_nan_as_inf(x, *, two_stage: bool):
     # In float32: XLA:CPU reduces a bfloat16 array in float32 anyway, and rounds each
     # result back to bfloat16 in a scalar kernel of its own (two per tensor).
     ax = _as_f32(lax.abs(x))
-    hi, lo = lax.reduce(
-        (ax, ax), (np.array(-np.inf, ax.dtype), np.array(np.inf, ax.dtype)), _max_min, tuple(range(ax.ndim))
-    )
+    init = (np.float32(-np.inf), np.float32(np.inf))
+    if two_stage and ax.ndim >= 2 and ax.size > 0:
+        rows = lax.reshape(ax, (ax.size // ax.shape[-1], ax.shape[-1]))
+        hi, lo = lax.reduce((rows, rows), init, _max_min, (1,))
+        hi, lo = lax.reduce((hi, lo), init, _max_min, (0,))
+    else:
+        hi, lo = lax.reduce((ax, ax), init, _max_min, tuple(range(ax.ndim)))
     return select(lax.ne(lo, lo), np.float32(np.inf), hi)
