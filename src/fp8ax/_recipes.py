@@ -516,8 +516,9 @@ class DelayedScaling(AbstractScalingRecipe):
         for op, (used, inv) in zip(operands, scales):
             # The calibrating branch's scale is batched like its tensor under vmap; it is
             # the same in every example (its amax is merged), so merging `inv` by the
-            # same rule keeps it the reciprocal of `used`.
-            used, inv = op.merge((used, inv))
+            # same rule keeps it the reciprocal of `used`. The tensor's amax is merged in
+            # the same call (one `custom_vmap` to trace instead of two).
+            used, inv, seen = op.merge((used, inv, _formats.amax(op.x)))
             values = _formats.quantize(op.x, used, op.dtype, inv=inv)
-            results.append((QuantizedArray(values, used), self.next_state(used, op.state[1], op.merge(_formats.amax(op.x)))))
+            results.append((QuantizedArray(values, used), self.next_state(used, op.state[1], seen)))
         return results
