@@ -120,8 +120,8 @@ def amax(x: ArrayLike) -> Array:
     replaced by inf with a `select` over the whole tensor: on CPU one more kernel, a full
     write and read of every quantised tensor.)
 
-    On CPU the reduction runs in two stages, over each row (every axis but the last)
-    and then over the rows' results: XLA:CPU splits a reduction across cores only when
+    On CPU the reduction runs in two stages, over the last axis (each row) and then
+    over the rows' results: XLA:CPU splits a reduction across cores only when
     its result has an outer dimension to split (on 2 cores a 4096x1024 amax takes 0.47
     ms in two stages against 0.71 ms in one). Max and min are exact, so the order changes
     nothing in the result. It is jitted so that eager calls with `jax_debug_infs` do not
@@ -139,10 +139,11 @@ def _amax_nan_as_inf(x, *, two_stage: bool):
     # result back to bfloat16 in a scalar kernel of its own (two per tensor).
     ax = _as_f32(lax.abs(x))
     init = (np.float32(-np.inf), np.float32(np.inf))
-    if two_stage and ax.ndim >= 2 and ax.size > 0:
-        rows = lax.reshape(ax, (ax.size // ax.shape[-1], ax.shape[-1]))
-        hi, lo = lax.reduce((rows, rows), init, _max_min, (1,))
-        hi, lo = lax.reduce((hi, lo), init, _max_min, (0,))
+    if two_stage and ax.ndim >= 2:
+        # Over the last axis, then the rest: no reshape, which could move a tensor
+        # sharded along a middle axis.
+        hi, lo = lax.reduce((ax, ax), init, _max_min, (ax.ndim - 1,))
+        hi, lo = lax.reduce((hi, lo), init, _max_min, tuple(range(ax.ndim - 1)))
     else:
         hi, lo = lax.reduce((ax, ax), init, _max_min, tuple(range(ax.ndim)))
     return select(lax.ne(lo, lo), np.float32(np.inf), hi)
