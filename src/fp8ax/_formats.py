@@ -116,9 +116,8 @@ def amax(x: ArrayLike) -> Array:
     in one variadic reduction, which backends compile with their own reduction emitter
     (with `abs` fused in, and on CPU without the NaN-skipping kernel); the min is NaN
     exactly when some element is, and turns the amax into +inf then. Both results must
-    be used, or XLA drops the min and takes the plain max again. (Before this, a NaN was
-    replaced by inf with a `select` over the whole tensor: on CPU one more kernel, a full
-    write and read of every quantised tensor.)
+    be used, or XLA drops the min and takes the plain max again (a `select` of NaN to inf
+    before the max would cost, on CPU, one more pass over every quantised tensor).
 
     On CPU the reduction runs in two stages, over the last axis (each row) and then
     over the rows' results: XLA:CPU splits a reduction across cores only when
@@ -127,6 +126,14 @@ def amax(x: ArrayLike) -> Array:
     nothing in the result. It is jitted so that eager calls with `jax_debug_infs` do not
     see the inf it returns for a NaN."""
     return _amax_nan_as_inf(_as_array(x), two_stage=jax.default_backend() == "cpu")
+
+
+def max_min(hi: Array, lo: Array, axes: tuple[int, ...]) -> tuple[Array, Array]:
+    """`(max(hi), min(lo))` over `axes` in one variadic float32 reduction (XLA's `max`
+    and `min` propagate NaN). With `hi` and `lo` the same array, its max and min; with
+    the two results of an earlier stage, their merge. The amax and the history's bounds
+    both take it."""
+    return lax.reduce((hi, lo), (np.float32(-np.inf), np.float32(np.inf)), _max_min, axes)
 
 
 def _max_min(a, b):
@@ -138,12 +145,10 @@ def _amax_nan_as_inf(x, *, two_stage: bool):
     # In float32: XLA:CPU reduces a bfloat16 array in float32 anyway, and rounds each
     # result back to bfloat16 in a scalar kernel of its own (two per tensor).
     ax = _as_f32(lax.abs(x))
-    init = (np.float32(-np.inf), np.float32(np.inf))
     if two_stage and ax.ndim >= 2:
         # Over the last axis, then the rest: no reshape, which could move a tensor
         # sharded along a middle axis.
-        hi, lo = lax.reduce((ax, ax), init, _max_min, (ax.ndim - 1,))
-        hi, lo = lax.reduce((hi, lo), init, _max_min, tuple(range(ax.ndim - 1)))
+        hi, lo = max_min(*max_min(ax, ax, (ax.ndim - 1,)), tuple(range(ax.ndim - 1)))
     else:
-        hi, lo = lax.reduce((ax, ax), init, _max_min, tuple(range(ax.ndim)))
+        hi, lo = max_min(ax, ax, tuple(range(ax.ndim)))
     return select(lax.ne(lo, lo), np.float32(np.inf), hi)

@@ -223,10 +223,6 @@ _STALE_STATE = (
 )
 
 
-def _both(a, b):
-    return lax.max(a[0], b[0]), lax.min(a[1], b[1])
-
-
 def _history_bounds(history):
     """`(max, min)` of the history over its last axis, in one reduction. The max serves
     the delayed scale and the "history empty" test (0); together they tell a corrupt
@@ -234,7 +230,7 @@ def _history_bounds(history):
     is negative (XLA's `max` and `min` propagate NaN). XLA:CPU compiles this into one
     kernel, where a plain max over the 1024 entries takes two (it splits the reduction)
     and a max over a select of the bad entries took three."""
-    return lax.reduce((history, history), (np.float32(-np.inf), np.float32(np.inf)), _both, (history.ndim - 1,))
+    return _formats.max_min(history, history, (history.ndim - 1,))
 
 
 def _positive_finite(x):
