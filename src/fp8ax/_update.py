@@ -27,6 +27,9 @@ def partition_for_grad_overwrite(tree: T) -> tuple[T, T]:
     !!! Example
 
         ```python
+        _, trainable = fp8ax.partition_for_grad_overwrite(model)   # once, before training
+        opt_state = opt.init(eqx.filter(trainable, eqx.is_array))   # no FP8 state in it
+
         grads = eqx.filter_grad(loss_fn)(model, batch)
         overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)
         updates, opt_state = opt.update(grads, opt_state, params=model)
