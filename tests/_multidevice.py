@@ -303,6 +303,27 @@ def case_shard_map_pmean_or_psum_of_state_is_wrong():
     return {"global_amax": amax(ours), "pmean_amax": amax(mean), "psum_rhs_scale_over_pmax": scale(summed) / scale(ours)}
 
 
+def case_eager_shard_map_no_check_vma_refuses():
+    # Un-jitted `shard_map(..., check_vma=False)` runs op by op, where JAX cannot hold the
+    # state's dtype: fp8ax's error, not JAX's internal assertion. Under jit it works
+    # (`shard_map_no_check_vma`).
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    model = _eqx_model()
+    params, static = eqx.partition(model, eqx.is_array)
+    x, y = jnp.ones((N, 16)), jnp.ones((N, 8))
+
+    def per_device(p, x, y):
+        return eqx.filter(eqx.filter_grad(_eqx_loss)(eqx.combine(p, static), x, y), eqx.is_array)
+
+    fn = jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P(), check_vma=False)
+    try:
+        fn(params, x, y)
+    except ValueError as e:
+        assert str(e).startswith("fp8ax: ") and "un-jitted" in str(e), e
+        return {"error": str(e).split(".")[0]}
+    raise AssertionError("no error for an un-jitted shard_map(check_vma=False)")
+
+
 CASES = {
     **{name: _layout_case(name) for name in LAYOUTS},
     "global_amax": case_global_amax,
@@ -311,6 +332,7 @@ CASES = {
     "shard_map_check_vma_trained": _shard_map_case(True, trained=True),
     "shard_map_no_check_vma": _shard_map_case(False, trained=True),
     "shard_map_pmean_or_psum_of_state_is_wrong": case_shard_map_pmean_or_psum_of_state_is_wrong,
+    "eager_shard_map_no_check_vma_refuses": case_eager_shard_map_no_check_vma_refuses,
 }
 
 

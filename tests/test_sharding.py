@@ -25,6 +25,7 @@ CASES = [
     "shard_map_check_vma_trained",
     "shard_map_no_check_vma",
     "shard_map_pmean_or_psum_of_state_is_wrong",
+    "eager_shard_map_no_check_vma_refuses",
 ]
 
 

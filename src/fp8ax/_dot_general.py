@@ -10,6 +10,7 @@ from jax import lax
 from jaxtyping import Array, ArrayLike
 
 from . import _formats
+from ._boundaries import check_eager_shard_map
 from ._layout import DimensionNumbers, check_dimension_numbers
 from ._maxgrad import is_max
 from ._pipeline import Call, quantized_dot, vma
@@ -164,9 +165,12 @@ class Fp8DotGeneral(OverwriteWithGradient):
             lhs = lhs.astype(st.compute_dtype)
             rhs = rhs.astype(st.compute_dtype)
         raw = self._raw_state()
+        state_is_max = tuple(is_max(v) for v in raw)
+        if any(state_is_max):
+            check_eager_shard_map()
         call = make_call(
             st, lhs.shape, np.dtype(lhs.dtype), rhs.shape, np.dtype(rhs.dtype), dimension_numbers, precision,
-            preferred_element_type, state_is_max=tuple(is_max(v) for v in raw), lhs_vma=vma(lhs), rhs_vma=vma(rhs),
+            preferred_element_type, state_is_max=state_is_max, lhs_vma=vma(lhs), rhs_vma=vma(rhs),
         )
         return quantized_dot(call, lhs, rhs, *raw)
 

@@ -48,6 +48,8 @@ from jax.interpreters import ad as _ad
 from jax.interpreters import batching as _batching
 from jax.interpreters import mlir as _mlir
 
+from . import _boundaries
+
 _SUPPORTED_JAX = "jax>=0.10,<0.13"
 
 
@@ -200,20 +202,49 @@ def _conversion(name, dtype, raw):
     # a bind's few dozen. Rules: the value is a plain conversion (impl and lowering), it
     # is linear (its JVP is itself), it maps elementwise (vmap), and its abstract value
     # keeps shape, sharding and varying manual axes.
-    prim = _Primitive(name)
-    prim.def_impl(raw)
-    prim.def_abstract_eval(lambda aval: aval.update(dtype=dtype, weak_type=False))
-    _mlir.register_lowering(prim, _mlir.lower_fun(raw, multiple_results=False))
-    _batching.defvectorized(prim)
+    #
+    # Each conversion has a twin, "refusing", that JAX's `vmap` puts in its place inside
+    # the branches of a `lax.cond`/`lax.switch` whose predicate differs per example: the
+    # same conversion, whose derivative raises fp8ax's error (`_boundaries.py`: JAX sums
+    # the per-example copies of the state there). The twin is made while the branch is
+    # batched, where the rule can be recognised, and refuses only if the step is then
+    # differentiated (an FP8 layer in such a branch is fine for inference).
+    prim, refusing = _Primitive(name), _Primitive(name + "_refusing")
+    for p in (prim, refusing):
+        p.def_impl(raw)
+        p.def_abstract_eval(lambda aval: aval.update(dtype=dtype, weak_type=False))
+        _mlir.register_lowering(p, _mlir.lower_fun(raw, multiple_results=False))
+
+    def batch(args, dims):
+        (x,), (d,) = args, dims
+        return (refusing if _boundaries.in_per_example_cond() else prim).bind(x), d
+
+    _batching.primitive_batchers[prim] = _batching.primitive_batchers[refusing] = batch
+    _ad.primitive_jvps[refusing] = _refuse
     return prim
+
+
+def _refuse(*_):
+    raise ValueError(_boundaries.PER_EXAMPLE_COND)
+
+
+def _transpose(prim_of_ct):
+    def rule(ct, x):
+        # The one place besides `_pipeline._bwd` that runs while JAX transposes a
+        # `shard_map`: where a state rebuilt inside the body is converted.
+        if _boundaries.in_unchecked_shard_map_transpose():
+            raise ValueError(_boundaries.UNCHECKED_SHARD_MAP)
+        return [prim_of_ct().bind(ct)]
+
+    return rule
 
 
 _to_max_p = _conversion("fp8ax_to_maxf32", MAXF32, _raw_to_max)
 _to_f32_p = _conversion("fp8ax_to_float32", np.dtype(np.float32), _raw_to_f32)
 # The transpose of one conversion is the other (the builtin rule of
 # `convert_element_type` cannot be used: see the top of this file).
-_ad.deflinear2(_to_max_p, lambda ct, x: [_to_f32_p.bind(ct)])
-_ad.deflinear2(_to_f32_p, lambda ct, x: [_to_max_p.bind(ct)])
+_ad.deflinear2(_to_max_p, _transpose(lambda: _to_f32_p))
+_ad.deflinear2(_to_f32_p, _transpose(lambda: _to_max_p))
 
 
 def to_max(x):

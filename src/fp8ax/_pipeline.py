@@ -27,6 +27,7 @@ from jax import lax
 from jax.custom_batching import custom_vmap
 from jaxtyping import Array
 
+from . import _boundaries
 from ._current import content_key
 from ._layout import bwd_layout, oriented_gemm, rescale
 from ._maxgrad import as_f32, merged_amax, raw_to_max
@@ -245,6 +246,8 @@ def _fwd(call: Call, lhs, rhs, *raw):
 
 
 def _bwd(call: Call, residuals, g):
+    if any(call.state_is_max) and _boundaries.in_unchecked_shard_map_transpose():
+        raise ValueError(_boundaries.UNCHECKED_SHARD_MAP)
     st = call.settings
     res_l, res_r, new_l, new_r, g_state, g_plan = residuals
     (_, _), (_, rb) = call.dims

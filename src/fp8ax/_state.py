@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
+from ._boundaries import check_eager_shard_map
 from ._formats import select
 from ._maxgrad import as_f32, is_max, to_f32, to_max
 
@@ -35,14 +36,15 @@ class ScalingState:
     """
 
     # `_scale`/`_amax_history`: the values, in the max-accumulating form while traced;
-    # `_views`: their float32 views (the pytree leaves), made once per value.
-    __slots__ = ("_scale", "_amax_history", "_views")
+    # `_leaves`: their float32 leaves where they are safe to hand out again (concrete
+    # values), None where every flatten must make a fresh view (see `_enter`).
+    __slots__ = ("_scale", "_amax_history", "_leaves")
 
     def __init__(self, scale: Any, amax_history: Any):
-        (s, s_view), (h, h_view) = _enter(scale), _enter(amax_history)
+        (s, s_leaf), (h, h_leaf) = _enter(scale), _enter(amax_history)
         object.__setattr__(self, "_scale", s)
         object.__setattr__(self, "_amax_history", h)
-        object.__setattr__(self, "_views", [s_view, h_view])
+        object.__setattr__(self, "_leaves", (s_leaf, h_leaf))
 
     @classmethod
     def init(cls, history_length: int, batch_shape: tuple[int, ...] = ()) -> "ScalingState":
@@ -56,17 +58,15 @@ class ScalingState:
 
     @property
     def scale(self):
-        return self._view(0, self._scale)
+        return self._leaf(0, self._scale)
 
     @property
     def amax_history(self):
-        return self._view(1, self._amax_history)
+        return self._leaf(1, self._amax_history)
 
-    def _view(self, i, value):
-        view = self._views[i]
-        if view is None:
-            view = self._views[i] = _leave(value)
-        return view
+    def _leaf(self, i, value):
+        leaf = self._leaves[i]
+        return _view(value) if leaf is None else leaf
 
     def __setattr__(self, name, value):
         raise AttributeError("ScalingState is immutable; build a new one instead.")
@@ -104,43 +104,57 @@ class ScalingState:
         )
 
 
-# Inside a traced function each flatten of the model reads the state as float32 leaves,
-# and each rebuild from traced leaves converts them to the max-accumulating form. Every
-# use must fan out from one max-form value (a second conversion of the same leaf would
-# sum again), and converting on every flatten costs trace and compile time. So a
-# float32 leaf that has been converted remembers the max-form value it became
-# (`_SOURCE_OF`), and rebuilding from it gives that value back; a state keeps its leaves
-# (`_views`) so flattening it again returns the same ones. A step then traces one
-# conversion per state value however often the model is flattened. The table is keyed
-# by `id` and its entries go when the leaf is garbage collected.
-_SOURCE_OF: dict[int, tuple[weakref.ref, Any]] = {}  # id(float32 leaf) -> (leaf, max value)
+# The invariant that makes reuse merge by max (docs/how-it-works.md, "Why the merge holds
+# behind every boundary"): inside a trace, every use of a state value fans out from one
+# max-form value, and every float32 value that carries the state has exactly one
+# consumer. JAX sums the cotangents of a value with several consumers; only for a
+# max-form value is that "sum" a max.
+#
+# - Rebuilding a state from a float32 tracer (what `jax.grad`, `jax.jit`,
+#   `jax.checkpoint`, `lax.cond`, `jax.shard_map`, `hax.dot`'s `eqx.filter_jit` ... do
+#   with their traced arguments) converts it once: the tracer's one consumer is that
+#   conversion. A second rebuild from the same tracer gets the same max-form value back
+#   (`_SOURCE_OF`), so the tracer never gets a second conversion.
+# - Flattening a traced state makes a fresh float32 view of the max-form value, every
+#   time. A view's one consumer is whatever the flatten was for: one boundary (each
+#   nested `jit` or `checkpoint` gets a view of its own, and their cotangents meet at the
+#   max-form value, by max), or a rebuild, which `_SOURCE_OF` maps straight back to the
+#   max-form value (the view is then dead code). Handing out the same float32 leaf twice
+#   (a cached view, or the tracer the state was rebuilt from) is what broke the merge
+#   behind boundaries: two consumers of one float32 value, summed.
+#
+# The table is keyed by `id` and its entries go when the float32 tracer is garbage
+# collected. A view costs one cheap primitive per state value and flatten; views that
+# only feed a rebuild are dead code, which JAX's and XLA's dead-code elimination drop.
+_SOURCE_OF: dict[int, tuple[weakref.ref, Any]] = {}  # id(float32 tracer) -> (tracer, max-form value)
 
 
-def _remember(view, value) -> None:
-    key, table = id(view), _SOURCE_OF  # the callback may run at exit, after module globals are cleared
-    table[key] = (weakref.ref(view, lambda _: table.pop(key, None)), value)
+def _remember(leaf, value) -> None:
+    key, table = id(leaf), _SOURCE_OF  # the callback may run at exit, after module globals are cleared
+    table[key] = (weakref.ref(leaf, lambda _: table.pop(key, None)), value)
 
 
 def _enter(x):
-    """`(value, view)`: the value to compute with and its float32 leaf (None: make one
-    when asked)."""
-    # float32 tracers (the model being rebuilt inside jax.grad / jit / vmap) switch to the
-    # max-accumulating representation here, once, before any use can fan them out.
+    """`(value, leaf)`: the value to compute with, and the float32 leaf to flatten it to
+    (None: a fresh view at every flatten)."""
     if isinstance(x, jax.core.Tracer) and x.dtype == np.float32:
         entry = _SOURCE_OF.get(id(x))
         if entry is not None and entry[0]() is x:
-            return entry[1], x
+            return entry[1], None  # a view of a max-form value, or a tracer converted before
+        check_eager_shard_map()
         value = to_max(x)
         _remember(x, value)
-        return value, x
+        return value, None
     if is_max(x):
         return x, None
     return x, x
 
 
-def _leave(x):
+def _view(x):
+    """A fresh float32 view of a max-form value (a traced state being flattened)."""
     if not is_max(x):
         return x
+    check_eager_shard_map()
     view = to_f32(x)
     if isinstance(view, jax.core.Tracer):
         _remember(view, x)
