@@ -29,14 +29,15 @@ in four variants:
 and reports the median time (and quartiles), TFLOP/s (2*M*N*K per GEMM) and the
 speed-up over bf16.
 
-It also checks that every GEMM an FP8 variant should run in FP8 compiled to an FP8
-cuBLASLt call: it counts the instructions of the optimised HLO
-(``jitted.lower(...).compile().as_text()``) whose ``custom_call_target`` is
-``__cublas$lt$matmul$f8`` (XLA:GPU's FP8 cuBLASLt GEMM; bf16 GEMMs are
-``__cublas$gemm`` or ``__cublas$lt$matmul``, or Triton GEMM fusions) and compares the
-count with the GEMMs the function has: 1 forward, 3 forward+backward, 5 in the MLP train
-step (3 per layer, less the input gradient of the first layer, which nothing needs: the
-input is data). ``fp8ax.gemm_report`` of the same function goes in the JSON too.
+It also checks that every GEMM an FP8 variant should run in FP8 compiled to an FP8 GEMM,
+on either path XLA:GPU's autotuner may pick: it counts, in the optimised HLO
+(``jitted.lower(...).compile().as_text()``, read by bench/gpu_hlo.py), the FP8 cuBLASLt
+calls (``custom_call_target`` ``__cublas$lt$matmul$f8``; bf16 ones are ``__cublas$gemm``
+or ``__cublas$lt$matmul``) and the Triton or cuDNN GEMM fusions whose dot multiplies FP8
+values, and compares the count with the GEMMs the function has: 1 forward, 3
+forward+backward, 5 in the MLP train step (3 per layer, less the input gradient of the
+first layer, which nothing needs: the input is data). ``gemm_paths`` in the JSON says
+which path each GEMM took and the dtype it writes. ``fp8ax.gemm_report`` of the same function goes in the JSON too.
 
 Without a GPU (``jax.default_backend() != "gpu"``), or with ``--dry``, it runs the same
 code on tiny shapes (every size divided by 64) with 1 warm-up and 2 reps: a smoke test of
@@ -82,6 +83,9 @@ import optax
 from jax import lax
 
 import fp8ax
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_hlo  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
@@ -178,17 +182,22 @@ def count_fp8_cublaslt(hlo_text: str) -> int:
 
 
 def fp8_check(variant: str, hlo_text: str, expected: int, backend: str) -> dict[str, Any]:
-    """The FP8 check of one compiled function: found vs expected FP8 cuBLASLt GEMMs."""
+    """The FP8 check of one compiled function: found vs expected FP8 GEMMs, where an FP8
+    GEMM is an FP8 cuBLASLt call or a Triton/cuDNN GEMM fusion whose dot multiplies FP8
+    values (bench/gpu_hlo.py); `gemm_paths` says which path each GEMM took and what it
+    writes (e.g. ``"triton:fp8->bf16"``, ``"cublas:wide->bf16"``)."""
     kernels = count_gemm_kernels(hlo_text)
+    program = gpu_hlo.summary(hlo_text)
+    found = program["fp8_gemms"]
     if variant == "bf16":
         status = "baseline"  # nothing to check; the counts show which bf16 GEMMs ran
         expected = 0
     elif backend != "gpu":
         status = f"n/a on {backend}"
     else:
-        status = "PASS" if kernels["cublaslt_f8"] == expected else "FAIL"
-    return {"target": FP8_GEMM_TARGET, "expected": expected, "found": kernels["cublaslt_f8"], "status": status,
-            "gemm_kernels": kernels}
+        status = "PASS" if found == expected else "FAIL"
+    return {"target": f"{FP8_GEMM_TARGET} or a GEMM fusion on FP8 operands", "expected": expected, "found": found,
+            "status": status, "gemm_kernels": kernels, "gemm_paths": program["gemm_paths"]}
 
 
 def report_dict(report) -> dict[str, Any]:
@@ -732,8 +741,9 @@ def main(argv=None) -> int:
                       "median and quartiles",
             "flops": "2*m*n*k per GEMM; fwd 1 GEMM, fwd_bwd 3, MLP step 5 (3 per layer, less the input gradient of the "
                      "first layer, which is not computed)",
-            "fp8_check": f"custom calls with custom_call_target=\"{FP8_GEMM_TARGET}\" in "
-                         "jitted.lower(...).compile().as_text(), expected 1 (fwd), 3 (fwd_bwd), 3 per FP8 layer "
+            "fp8_check": f"FP8 GEMMs in jitted.lower(...).compile().as_text(): custom calls with "
+                         f"custom_call_target=\"{FP8_GEMM_TARGET}\", or Triton/cuDNN GEMM fusions whose dot "
+                         "multiplies FP8 values (bench/gpu_hlo.py), expected 1 (fwd), 3 (fwd_bwd), 3 per FP8 layer "
                          "less the first layer's input gradient (MLP step: 5); applies only on a GPU",
         },
         "fp8_gemm_target": FP8_GEMM_TARGET,
