@@ -4,7 +4,7 @@ to the numerics, and there is no import cycle.
 Layers, bottom to top (a module may import from its own layer or lower ones only):
 
 0. numerics: formats, rounding, MX elements, int8, GEMM layout bookkeeping, the
-   max-accumulating dtype, the JAX rules that would sum the state;
+   max-accumulating dtype, the JAX rules that would sum the state, the host check;
 1. values and state: `QuantizedArray`, `ScalingState`;
 2. recipes;
 3. the GEMM pipeline and its settings;
@@ -21,7 +21,7 @@ import fp8ax
 SRC = pathlib.Path(fp8ax.__file__).parent
 
 LAYERS = [
-    {"_formats", "_rounding", "_mx", "_int8", "_layout", "_maxgrad", "_boundaries"},
+    {"_formats", "_rounding", "_mx", "_int8", "_layout", "_maxgrad", "_boundaries", "_hostcheck"},
     {"_quantized", "_state"},
     {"_recipes", "_current"},
     {"_settings", "_pipeline"},

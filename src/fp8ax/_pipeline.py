@@ -179,6 +179,12 @@ def _low_precision_pair(qa, qb) -> str | None:
     return None
 
 
+def _fp8_pair(qa, qb) -> bool:
+    return all(
+        q is not None and np.dtype(q.values.dtype).itemsize == 1 and jnp.issubdtype(q.values.dtype, jnp.floating)
+        for q in (qa, qb))
+
+
 def _dequantise(q: QuantizedArray, dtype):
     if q.layout == "tensor":
         # XLA's pattern for an FP8 GEMM: convert to the compute dtype, multiply by the
@@ -295,6 +301,13 @@ def _operand(call: Call, role: str, res, axes, key=None):
 
 
 def _gemm_fn(call: Call, qa, a, qb, b, precision, out_dtype):
+    """A backward GEMM. On two FP8 operands its default precision is `HIGHEST`: XLA:GPU
+    then accumulates in full precision, not with cuBLASLt's fast FP8 accumulation, which
+    loses accuracy over the long contractions of the weight gradient (TransformerEngine,
+    torchao and DeepSeek-V3 make the same choice). Any other precision is kept."""
+    if precision in (None, lax.Precision.DEFAULT) and _fp8_pair(qa, qb):
+        precision = lax.Precision.HIGHEST
+
     def gemm(swapped, dims):
         if swapped:
             return _gemm(call, qb, b, qa, a, dims, precision, out_dtype)

@@ -21,6 +21,7 @@ from jax import lax
 from jaxtyping import Array, Float
 
 from . import _formats
+from ._hostcheck import host_check
 from ._quantized import QuantizedArray, ScaleLayout
 from ._state import ScalingState
 
@@ -182,8 +183,10 @@ class _StaleWatch:
     training that many fresh models with one compiled step looks the same.
 
     Under `vmap` with batched state (an ensemble) the conditional becomes a `select`
-    that runs both branches for every member, and the callback runs once per member
-    with that member's values: only members whose history is empty count."""
+    that runs both branches for every member, and the callback runs once with every
+    member's flags: a call counts if a member's history is empty. The callback is
+    `_hostcheck.host_check`, which a program compiled ahead of time for a machine this
+    process cannot run leaves out (with a warning)."""
 
     warned = False
 
@@ -496,7 +499,7 @@ class DelayedScaling(AbstractScalingRecipe):
                 delayed = self._checked(self._past_amax(history, longest), scale, fp8_max)
                 used = _formats.select(own[-1], calibrated, delayed)
                 out.append((used, _formats.reciprocal(used)))
-            jax.debug.callback(watch.tick, tuple(own), tuple(corrupt))  # on the host, when this branch runs
+            host_check(watch.tick, tuple(own), tuple(corrupt))  # on the host, when this branch runs
             return tuple(out)
 
         def delayed(xs, states, bounds):
