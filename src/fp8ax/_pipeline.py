@@ -179,6 +179,17 @@ def _low_precision_pair(qa, qb) -> str | None:
     return None
 
 
+def _epilogue_dtype(qa, qb, out_dtype) -> bool:
+    """Whether the scales of an FP8 GEMM go into its epilogue in `out_dtype`: two
+    tensor-wise scales and a 16-bit floating output."""
+    return (np.ndim(qa.scale) == np.ndim(qb.scale) == 0
+            and np.dtype(out_dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)))
+
+
+def _f32(x):
+    return lax.convert_element_type(jnp.asarray(x), np.float32)
+
+
 def _fp8_pair(qa, qb) -> bool:
     return all(
         q is not None and np.dtype(q.values.dtype).itemsize == 1 and jnp.issubdtype(q.values.dtype, jnp.floating)
@@ -202,6 +213,18 @@ def _gemm(call: Call, qa, a, qb, b, dims, precision, out_dtype):
         if pair is not None:
             # The kernel's computation: low-precision values, wide accumulation, then the
             # scales (one scalar multiply for two tensor-wise scales).
+            if pair == "float32" and _epilogue_dtype(qa, qb, out_dtype):
+                # A 16-bit layer: the GEMM writes its dtype and the scales multiply that, one
+                # scalar in the same dtype. XLA:GPU folds the multiply (and the dtype) into
+                # the FP8 GEMM's epilogue, on the cuBLASLt and the Triton path alike, so no
+                # float32 product is written and read again. (An f32 product, scaled, then
+                # converted is what XLA leaves as a separate kernel: with its excess-
+                # precision rule the consumers read the f32 product.) XLA:CPU rounds the
+                # product to the dtype before the scale multiply, a GPU after: at most one
+                # unit in the last place apart.
+                out = lax.dot_general(qa.values, qb.values, dims, precision=precision, preferred_element_type=out_dtype)
+                scale = lax.convert_element_type(lax.mul(_f32(qa.scale), _f32(qb.scale)), out_dtype)
+                return lax.mul(out, lax.broadcast_in_dim(scale, out.shape, ()))
             acc_dtype = jnp.int32 if pair == "int32" else jnp.float32
             acc = lax.dot_general(qa.values, qb.values, dims, precision=precision, preferred_element_type=acc_dtype)
             return rescale(acc, qa.scale, qa.values.shape, qb.scale, qb.values.shape, dims).astype(out_dtype)
