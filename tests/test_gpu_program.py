@@ -94,3 +94,48 @@ def test_default_step_compiles_for_an_h100_without_one(h100, mode):
     assert s["gemms"] == 3
     if mode == "direct":  # qdq relies on XLA's pattern, which Triton's GEMM fusions do not take
         assert s["fp8_gemms"] == 3, s["gemm_paths"]
+
+
+def _forward_dot_result_types(dg, x, w) -> list[str]:
+    text = jax.jit(lambda d, x, w: d(x, w, DIMS)).trace(dg, x, w).lower().as_text()
+    return [line.rsplit("->", 1)[1].strip() for line in text.splitlines() if "dot_general" in line]
+
+
+def test_direct_gemm_writes_a_16_bit_layer_dtype():
+    # The GEMM's own output is the layer's dtype (XLA:GPU then scales and converts in the
+    # GEMM's epilogue); a float32 layer keeps the float32 product.
+    dg = fp8ax.Fp8DotGeneral.init(mode="direct")
+    k = jax.random.split(jax.random.key(1), 2)
+    x, w = jax.random.normal(k[0], (32, 256)), jax.random.normal(k[1], (256, 48))
+    assert _forward_dot_result_types(dg, x.astype(jnp.bfloat16), w.astype(jnp.bfloat16)) == ["tensor<32x48xbf16>"]
+    assert _forward_dot_result_types(dg, x, w) == ["tensor<32x48xf32>"]
+
+
+def test_direct_bf16_output_against_a_replay():
+    # Independent replay with ml_dtypes: fresh state, so each operand's scale is
+    # amax / 448 (E4M3, current scaling on the first call); the values are x / scale cast
+    # to E4M3; the product is accumulated exactly (float64), rounded to bf16, multiplied
+    # by bf16(scale_x * scale_w) and rounded again. XLA accumulates in float32, in its own
+    # order, so the result may round the other way: at most 1 bf16 ulp (2**-7 relative).
+    import ml_dtypes
+    import numpy as np
+
+    dg = fp8ax.Fp8DotGeneral.init(mode="direct")
+    k = jax.random.split(jax.random.key(2), 2)
+    x = (3 * jax.random.normal(k[0], (16, 512))).astype(jnp.bfloat16)
+    w = jax.random.normal(k[1], (512, 24)).astype(jnp.bfloat16)
+    got = np.asarray(dg(x, w, DIMS).astype(jnp.float32))
+
+    def quantise(a):
+        a = np.asarray(a.astype(jnp.float32))
+        scale = np.float32(np.abs(a).max()) / np.float32(448)
+        return (a / scale).astype(ml_dtypes.float8_e4m3fn), scale
+
+    qx, sx = quantise(x)
+    qw, sw = quantise(w)
+    acc = qx.astype(np.float64) @ qw.astype(np.float64)
+    scale = np.float32(sx * sw).astype(ml_dtypes.bfloat16).astype(np.float32)
+    want = (acc.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32) * scale)
+    want = want.astype(ml_dtypes.bfloat16).astype(np.float32)
+    np.testing.assert_allclose(got, want, rtol=2**-7, atol=0)
+    assert np.mean(got == want) > 0.99  # almost all bit for bit
