@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from typing import Any
 
@@ -86,23 +87,13 @@ def arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
 
 
 def nbytes(type_text: str) -> float:
-    total = 0.0
-    for dtype, shape in arrays(type_text):
-        n = 1
-        for s in shape:
-            n *= s
-        total += n * _BYTES.get(dtype, 4)
-    return total
+    """The bytes of every array in a type."""
+    return sum(math.prod(shape) * _BYTES.get(dtype, 4) for dtype, shape in arrays(type_text))
 
 
 def numel(type_text: str) -> int:
-    best = 0
-    for _, shape in arrays(type_text):
-        n = 1
-        for s in shape:
-            n *= s
-        best = max(best, n)
-    return best
+    """The elements of the largest array in a type."""
+    return max((math.prod(shape) for _, shape in arrays(type_text)), default=0)
 
 
 def _split_type(rest: str) -> tuple[str, str]:
