@@ -15,6 +15,7 @@ Layers, bottom to top (a module may import from its own layer or lower ones only
 
 import ast
 import pathlib
+import re
 
 import fp8ax
 
@@ -98,3 +99,17 @@ def test_cycle_finder_finds_a_cycle():
     # The check above must be able to fail.
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_how_it_works_lists_every_module_in_its_layer():
+    # docs/how-it-works.md names the modules layer by layer, in the order of LAYERS.
+    text = (SRC.parents[1] / "docs" / "how-it-works.md").read_text()
+    paragraph = text[text.index("The source follows the same order"):]
+    paragraph = paragraph[:paragraph.index("\n\n")]
+    named = re.findall(r"`(_[a-z0-9_]+)`", paragraph)
+    groups, i = [], 0
+    for layer in LAYERS:
+        groups.append(set(named[i:i + len(layer)]))
+        i += len(layer)
+    assert groups == LAYERS and i == len(named), named
+    assert set(named) == {p.stem for p in SRC.glob("_*.py")} - {"__init__"}
