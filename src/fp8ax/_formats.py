@@ -108,9 +108,11 @@ def dequantize(q: ArrayLike, scale: ArrayLike, dtype) -> Array:
 
 
 def amax(x: ArrayLike) -> Array:
-    """max |x| as float32; not finite (inf) if any element is NaN or inf.
+    """max |x| as float32; not finite (inf or NaN) if any element is NaN or inf.
 
-    XLA's `max` propagates NaN, but the CPU backend of jax 0.10 reduces large arrays with
+    Chosen per platform when the program is lowered (`lax.platform_dependent`, so a
+    program compiled ahead of time for a GPU on a CPU host gets the GPU's form): a plain
+    max reduction everywhere but on CPU. XLA's `max` propagates NaN, but the CPU backend of jax 0.10 reduces large arrays with
     a kernel that skips NaNs (`jnp.max(jnp.abs(x))` of a 256x1024 array holding one NaN
     returns the largest finite value). The max is therefore taken together with the min
     in one variadic reduction, which backends compile with their own reduction emitter
@@ -125,7 +127,8 @@ def amax(x: ArrayLike) -> Array:
     ms in two stages against 0.71 ms in one). Max and min are exact, so the order changes
     nothing in the result. It is jitted so that eager calls with `jax_debug_infs` do not
     see the inf it returns for a NaN."""
-    return _amax_nan_as_inf(_as_array(x), two_stage=jax.default_backend() == "cpu")
+    x = _as_array(x)
+    return lax.platform_dependent(x, cpu=_amax_nan_as_inf, default=_amax_plain)
 
 
 def max_min(hi: Array, lo: Array, axes: tuple[int, ...]) -> tuple[Array, Array]:
@@ -140,8 +143,17 @@ def _max_min(a, b):
     return lax.max(a[0], b[0]), lax.min(a[1], b[1])
 
 
+@jax.jit
+def _amax_plain(x):
+    # GPUs and TPUs: XLA's `max` propagates NaN there, and a plain max reduction fuses
+    # with the cast beside it and with its producer (a variadic reduction made XLA:GPU
+    # write the tensor out once more, only for the reduction to read it back). A NaN
+    # gives a NaN amax: not finite, as the callers need.
+    return lax.reduce_max(_as_f32(lax.abs(x)), tuple(range(x.ndim)))
+
+
 @functools.partial(jax.jit, static_argnames="two_stage")
-def _amax_nan_as_inf(x, *, two_stage: bool):
+def _amax_nan_as_inf(x, *, two_stage: bool = True):
     # In float32: XLA:CPU reduces a bfloat16 array in float32 anyway, and rounds each
     # result back to bfloat16 in a scalar kernel of its own (two per tensor).
     ax = _as_f32(lax.abs(x))

@@ -259,6 +259,17 @@ def _calibrates(longest, lowest, scale, corrupt=None):
     return lax.bitwise_or(lax.eq(longest, np.float32(0)), corrupt)
 
 
+def _fenced(used, inv=None):
+    """`(used, 1 / used)` behind an optimisation barrier: the scale a cast uses, computed
+    apart from everything that reads the tensor's amax. Without it XLA:GPU merges the
+    scalar arithmetic of the scale with that of the next state (one multi-output fusion
+    of the two `select`s), and the FP8 cast then waits on the reduction of its own input,
+    a second pass over the tensor that delayed scaling exists to avoid."""
+    if inv is None:
+        inv = _formats.reciprocal(used)
+    return lax.optimization_barrier((used, inv))
+
+
 def _require_states(states):
     """DelayedScaling quantises every operand with its `(scale, amax_history)`."""
     for state in states:
@@ -329,7 +340,11 @@ class DelayedScaling(AbstractScalingRecipe):
           of one. Without it the first step clips values above the format maximum (448
           for E4M3) and flushes small gradients to zero. `False` gives Haliax's and
           Flax's first step exactly; later scales can differ from theirs in the last bit
-          (they compute the same quotient in another order).
+          (they compute the same quotient in another order). It is also what tells the
+          first step's program from the others: [`fp8ax.apply_updates`][] and
+          [`fp8ax.calibrate`][] set it to `False` on a layer whose state they write, so
+          the steps after the first compile to delayed scaling alone, with no
+          conditional and no cast that waits on its own tensor's amax.
         - `formats`: `"hybrid"` (default: E4M3 forward, E5M2 gradients) or `"e4m3"`
           (E4M3 everywhere). (Keyword only argument.)
         - `fwd_dtype`: FP8 format of the forward operands, overriding `formats` (E4M3,
@@ -471,8 +486,8 @@ class DelayedScaling(AbstractScalingRecipe):
                 (scale, history), p = op.state, op.plan
                 past = self._past_amax(history, p.longest)
                 past = _formats.select(lax.ge(p.lowest, np.float32(0)), past, lax.full_like(p.longest, 0))
-                used = self._checked(past, scale, fp8_max)
-                values = _formats.quantize(op.x, used, op.dtype)
+                used, inv = _fenced(self._checked(past, scale, fp8_max))
+                values = _formats.quantize(op.x, used, op.dtype, inv=inv)
                 results.append((QuantizedArray(values, used), self.next_state(used, history, op.merge(_formats.amax(op.x)))))
             return results
         # The flag is the only thing computed outside the branches: each branch returns
@@ -518,6 +533,7 @@ class DelayedScaling(AbstractScalingRecipe):
             # same rule keeps it the reciprocal of `used`. The tensor's amax is merged in
             # the same call (one `custom_vmap` to trace instead of two).
             used, inv, seen = op.merge((used, inv, _formats.amax(op.x)))
+            used, inv = _fenced(used, inv)
             values = _formats.quantize(op.x, used, op.dtype, inv=inv)
             results.append((QuantizedArray(values, used), self.next_state(used, op.state[1], seen)))
         return results
