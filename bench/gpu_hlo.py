@@ -22,6 +22,12 @@ launches, in the order XLA scheduled them):
   and depends, through any chain of kernels, on a reduction kernel that reads the same
   large tensor (one at least as large as the FP8 result): the tensor is read twice, one
   pass after the other, and the cast cannot start before the reduction has finished.
+  The dependence must run through a scalar that the reduction produces (an amax, or any
+  other per-tensor statistic): the per-row statistics of a normalisation, which the
+  normalised tensor needs, do not count, and neither does a full-size tensor that the
+  reduction's kernel also writes (XLA puts an activation's residual and the amax of the
+  activation in one multi-output fusion): the cast waits for that tensor as it would
+  for any producer.
 """
 
 from __future__ import annotations
@@ -263,22 +269,34 @@ def _first(type_text: str) -> str:
     return f"{a[0][0]}[{','.join(map(str, a[0][1]))}]" if a else ""
 
 
+def _is_scalar(type_text: str) -> bool:
+    # A rank-0 array type (`f32[]`), or a tuple of them.
+    a = arrays(type_text)
+    return bool(a) and all(len(shape) == 0 for _, shape in a)
+
+
 def waiting_casts(ks: list[Kernel], entry: dict[str, Instr]) -> list[str]:
     """The FP8 casts that wait on a reduction of their own input (see the module doc)."""
     by_name = {k.name: k for k in ks}
 
-    def producers(name, seen):
-        # The kernels `name` depends on, through pass-through instructions.
-        if name in seen:
+    def producers(name, seen, size, through_full=False, scalar=False):
+        # `(kernel, scalar)` for the kernels `name` depends on, through pass-through
+        # instructions; `scalar`: the path from the cast went through a rank-0 value. A
+        # kernel reached only through one of its full-size outputs (`through_full`: a
+        # multi-output fusion's tensor result, not its reduced one) is not yielded
+        # itself, but its own producers are.
+        if (name, scalar) in seen:
             return
-        seen.add(name)
+        seen.add((name, scalar))
         ins = entry.get(name)
         if ins is None:
             return
-        if name in by_name:
-            yield by_name[name]
+        if name in by_name and not through_full:
+            yield by_name[name], scalar
+        full = ins.opcode == "get-tuple-element" and numel(ins.type) >= size
+        scalar = scalar or _is_scalar(ins.type)
         for o in ins.operands:
-            yield from producers(o, seen)
+            yield from producers(o, seen, size, full, scalar)
 
     def sources(k: Kernel, at_least: int) -> set[str]:
         out = set()
@@ -299,8 +317,9 @@ def waiting_casts(ks: list[Kernel], entry: dict[str, Instr]) -> list[str]:
         if not mine:
             continue
         seen: set[str] = set()
-        ancestors = [p for o in k.operands for p in producers(o, seen)]
-        if any(a.kind == "reduce" and a.name != k.name and sources(a, size) & mine for a in ancestors):
+        ancestors = [p for o in k.operands for p in producers(o, seen, size)]
+        if any(a.kind == "reduce" and through_scalar and a.name != k.name and sources(a, size) & mine
+               for a, through_scalar in ancestors):
             waiting.append(k.name)
     return waiting
 

@@ -84,6 +84,75 @@ def test_waiting_casts_kernels_and_bytes(gpu_hlo):
     assert s["non_gemm_bytes"] == (2 * mib + 4) + 8 + 2 * (3 * mib + 4) + 12 + 4
 
 
+# What does not count as waiting on the tensor's own amax. `normed` casts a normalised
+# x, which needs x's per-row statistics (a reduction over x, but not to a scalar);
+# `sibling` reads `t`, a full-size tensor that the kernel reducing x to its amax also
+# writes (a multi-output fusion), and is scaled by the given scale. Both fail the old
+# rule (any reduction over the cast's input among its producers).
+NOT_WAITING = """\
+HloModule step2
+
+%max (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %m = f32[] maximum(%a, %b)
+}
+
+%rows_comp (p: bf16[1024,1024]) -> f32[1024] {
+  %p = bf16[1024,1024]{1,0} parameter(0)
+  %c = f32[1024,1024]{1,0} convert(%p)
+  %z = f32[] constant(0)
+  ROOT %r = f32[1024]{0} reduce(%c, %z), dimensions={1}, to_apply=%max
+}
+
+%norm_cast_comp (x: bf16[1024,1024], r: f32[1024]) -> f8e4m3fn[1024,1024] {
+  %x = bf16[1024,1024]{1,0} parameter(0)
+  %r = f32[1024]{0} parameter(1)
+  %c = f32[1024,1024]{1,0} convert(%x)
+  %b = f32[1024,1024]{1,0} broadcast(%r), dimensions={0}
+  %q = f32[1024,1024]{1,0} divide(%c, %b)
+  ROOT %f = f8e4m3fn[1024,1024]{1,0} convert(%q)
+}
+
+%amax_and_t_comp (p: bf16[1024,1024]) -> (f32[], bf16[1024,1024]) {
+  %p = bf16[1024,1024]{1,0} parameter(0)
+  %c = f32[1024,1024]{1,0} convert(%p)
+  %z = f32[] constant(0)
+  %r = f32[] reduce(%c, %z), dimensions={0,1}, to_apply=%max
+  %t = bf16[1024,1024]{1,0} tanh(%p)
+  ROOT %o = (f32[], bf16[1024,1024]{1,0}) tuple(%r, %t)
+}
+
+%cast_comp (x: bf16[1024,1024], s: f32[]) -> f8e4m3fn[1024,1024] {
+  %x = bf16[1024,1024]{1,0} parameter(0)
+  %s = f32[] parameter(1)
+  %c = f32[1024,1024]{1,0} convert(%x)
+  %b = f32[1024,1024]{1,0} broadcast(%s), dimensions={}
+  %q = f32[1024,1024]{1,0} divide(%c, %b)
+  ROOT %f = f8e4m3fn[1024,1024]{1,0} convert(%q)
+}
+
+ENTRY %main (x: bf16[1024,1024], s: f32[]) -> (f8e4m3fn[1024,1024], f8e4m3fn[1024,1024], f32[]) {
+  %x = bf16[1024,1024]{1,0} parameter(0)
+  %s = f32[] parameter(1)
+  %rows = f32[1024]{0} fusion(%x), kind=kInput, calls=%rows_comp
+  %normed = f8e4m3fn[1024,1024]{1,0} fusion(%x, %rows), kind=kLoop, calls=%norm_cast_comp
+  %both = (f32[], bf16[1024,1024]{1,0}) fusion(%x), kind=kInput, calls=%amax_and_t_comp
+  %amax = f32[] get-tuple-element(%both), index=0
+  %t = bf16[1024,1024]{1,0} get-tuple-element(%both), index=1
+  %sibling = f8e4m3fn[1024,1024]{1,0} fusion(%t, %s), kind=kLoop, calls=%cast_comp
+  ROOT %out = (f8e4m3fn[1024,1024]{1,0}, f8e4m3fn[1024,1024]{1,0}, f32[]) tuple(%normed, %sibling, %amax)
+}
+"""
+
+
+def test_per_row_statistics_and_sibling_outputs_are_not_waiting(gpu_hlo):
+    assert gpu_hlo.summary(NOT_WAITING)["waiting_casts"] == []
+    # A cast of x scaled by that kernel's amax of x does wait.
+    waits = NOT_WAITING.replace("fusion(%t, %s), kind=kLoop", "fusion(%x, %amax), kind=kLoop")
+    assert gpu_hlo.summary(waits)["waiting_casts"] == ["sibling"]
+
+
 def test_gemm_flops_and_roofline(gpu_hlo):
     hlo = """\
 HloModule g
