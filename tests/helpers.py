@@ -190,3 +190,12 @@ def walk_train_step(model, x) -> _Walk:
     walk = _Walk()
     walk.run(closed.jaxpr, closed.consts, leaves, [False] * len(leaves), [False] * len(leaves))
     return walk
+
+
+def settled(tree):
+    """`tree` with every FP8 layer switched the way `fp8ax.apply_updates` switches a layer
+    whose state it writes (`DelayedScaling(calibrate_first_call=False)`): for comparing a
+    trained model with a gradient tree, or with a checkpoint loaded into a fresh model
+    (static settings are not saved; the template's are kept)."""
+    is_dg = lambda x: isinstance(x, fp8ax.Fp8DotGeneral)  # noqa: E731
+    return jax.tree.map(lambda x: x._settled() if is_dg(x) else x, tree, is_leaf=is_dg)

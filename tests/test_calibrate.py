@@ -106,3 +106,43 @@ def test_calibrate_bad_input(getkey):
     stateless = fp8ax.fp8_linear_layers(TwoHeads(getkey()), fp8ax.Fp8Config(recipe=fp8ax.CurrentScaling()))
     with pytest.raises(ValueError, match="no FP8 layer with state"):
         fp8ax.calibrate(stateless, loss_fn, [])
+
+
+def test_a_scanned_training_loop_runs_after_calibrate(getkey):
+    # A scan body is one program for every step, so the first step's switch cannot
+    # happen inside it (JAX refuses the carry). After `calibrate` the steps are the same
+    # program, and three scanned steps equal three steps of a Python loop, bit for bit.
+    import optax
+
+    model = fp8ax.fp8_linear_layers(eqx.nn.MLP(8, 4, 16, 1, key=getkey()))
+    xs = jax.random.normal(getkey(), (3, 16, 8))
+    ys = jax.random.normal(getkey(), (3, 16, 4))
+    opt = optax.sgd(1e-2)
+    opt_state = opt.init(eqx.filter(fp8ax.partition_for_grad_overwrite(model)[1], eqx.is_array))
+
+    def step(model, opt_state, x, y):
+        grads = eqx.filter_grad(loss_fn)(model, x, y)
+        overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)
+        updates, opt_state = opt.update(grads, opt_state, params=model)
+        return fp8ax.apply_updates(model, updates, overwrite), opt_state
+
+    @eqx.filter_jit
+    def scanned(model, opt_state, xs, ys):
+        arrays, static = eqx.partition((model, opt_state), eqx.is_array)
+
+        def body(arrays, xy):
+            out = step(*eqx.combine(arrays, static), *xy)
+            return eqx.filter(out, eqx.is_array), None
+
+        return eqx.combine(jax.lax.scan(body, arrays, (xs, ys))[0], static)
+
+    with pytest.raises(TypeError, match="calibrate_first_call=True"):
+        scanned(model, opt_state, xs, ys)  # fresh: the carry would change its settings
+
+    model = fp8ax.calibrate(model, loss_fn, [(xs[0], ys[0])])
+    got, _ = scanned(model, opt_state, xs, ys)
+    want, state = model, opt_state
+    for i in range(3):
+        want, state = eqx.filter_jit(step)(want, state, xs[i], ys[i])
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

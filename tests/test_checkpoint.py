@@ -20,7 +20,7 @@ import numpy as np
 import optax
 import pytest
 from haliax.state_dict import from_state_dict, to_state_dict
-from helpers import Batch, Deep, HaliaxMLP, In, Layers, Mid, Out, mse, sgd_step
+from helpers import Batch, Deep, HaliaxMLP, In, Layers, Mid, Out, mse, settled, sgd_step
 
 import fp8ax
 
@@ -86,7 +86,11 @@ def test_serialise_round_trip_haliax(getkey):
     template = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
     assert _trees_differ(template, model)
     loaded = _round_trip(model, template)
-    _assert_trees_bit_equal(loaded, model)
+    # The arrays are the saved ones; the static settings are the template's (a fresh
+    # layer's `calibrate_first_call=True`: the first step after loading compiles the
+    # calibrating program, which uses the loaded histories, and switches it again).
+    assert loaded.up_proj.dot_general.recipe.calibrate_first_call
+    _assert_trees_bit_equal(settled(loaded), model)
     assert isinstance(loaded.up_proj.dot_general, fp8ax.Fp8DotGeneral)
 
 
@@ -101,7 +105,7 @@ def test_serialise_round_trip_equinox_mlp(getkey):
     template = fp8ax.fp8_linear_layers(_eqx_mlp(getkey()))
     assert _trees_differ(template, model)
     loaded = _round_trip(model, template)
-    _assert_trees_bit_equal(loaded, model)
+    _assert_trees_bit_equal(settled(loaded), model)
     assert all(isinstance(layer, fp8ax.Fp8Linear) for layer in loaded.layers)
 
 
@@ -230,7 +234,7 @@ def test_plain_checkpoint_loads_into_converted_model(kind, getkey, tmp_path):
 
     model = fp8ax.fp8_linear_layers(eqx.tree_deserialise_leaves(path, fp8ax.strip_fp8(converted)), config)
 
-    assert jax.tree.structure(model) == jax.tree.structure(converted)
+    assert jax.tree.structure(settled(model)) == jax.tree.structure(converted)
     _assert_trees_bit_equal(fp8ax.strip_fp8(model), plain)
     for dg in _states(model):
         for state in (dg.lhs, dg.rhs, dg.grad):

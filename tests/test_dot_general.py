@@ -265,7 +265,10 @@ def test_vmap_over_examples_observes_the_whole_batch(getkey):
     )
 
 
-def test_train_step_compiles_once(getkey):
+def test_train_step_compiles_twice_then_never(getkey):
+    # The first step's program can calibrate; writing the state switches the layer to
+    # delayed scaling alone (a static setting), so the second step compiles once more,
+    # to a program without the calibrating conditional, and later steps reuse it.
     x, w, gy = _data(getkey, m=8, k=16, n=4)
     traces = 0
 
@@ -278,9 +281,14 @@ def test_train_step_compiles_once(getkey):
         return fp8ax.apply_updates(dg, None, overwrite)
 
     dg = fp8ax.Fp8DotGeneral.init()
+    programs = []
     for i in range(4):
+        jaxpr = str(jax.make_jaxpr(lambda dg: eqx.filter_grad(lambda d: jnp.sum(d(x, w, DIMS) * gy))(dg))(dg))
+        # The calibrating branch is the one with the host check in it.
+        programs.append(("fp8ax_host_check" in jaxpr, dg.recipe.calibrate_first_call))
         dg = step(dg, x * (i + 1))
-    assert traces == 1
+    assert traces == 2
+    assert programs == [(True, True)] + [(False, False)] * 3
     assert float(dg.lhs.amax_history[0]) == pytest.approx(4 * float(jnp.max(jnp.abs(x))))
 
 

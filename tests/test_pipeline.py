@@ -26,17 +26,27 @@ def test_delayed_scaling_casts_do_not_wait_for_their_amax(getkey):
     """With filled histories, no FP8 cast in the step depends on any tensor's amax: each
     tensor is quantised with the scale its state gives, and its amax (for the next state)
     is computed beside the cast."""
-    model = _model(getkey)
+    fresh = _model(getkey)
     x = jax.random.normal(getkey(), (32, 8))
-    model = eqx.filter_jit(train_step)(model, x)  # the first step fills the histories
+    model = eqx.filter_jit(train_step)(fresh, x)  # the first step fills the histories
     walk = _walk_step(model, x)
     # 3 layers x (input, kernel, output gradient), each quantised once.
     assert len(walk.converts) == 9
     assert walk.amaxes >= 9  # every tensor's amax is still computed, for the state
-    # Two conditionals per layer (one for both forward operands, one for the output
-    # gradient), and the delayed branch every time: nothing calibrates.
-    assert walk.branches == [DELAYED] * 6
+    # Writing the state switched the layers to delayed scaling alone: no conditional.
+    assert walk.branches == []
     assert not any(walk.converts)
+
+    # The filled state in a fresh layer's settings (a checkpoint loaded into a freshly
+    # converted model) runs the calibrating program: two conditionals per layer (one for
+    # both forward operands, one for the output gradient), and the delayed branch every
+    # time: nothing calibrates, no cast waits.
+    reloaded = jax.tree.map(
+        lambda f, m: dataclasses.replace(m, settings=f.settings) if isinstance(m, fp8ax.Fp8DotGeneral) else m,
+        fresh, model, is_leaf=lambda d: isinstance(d, fp8ax.Fp8DotGeneral))
+    walk = _walk_step(reloaded, x)
+    assert walk.branches == [DELAYED] * 6
+    assert len(walk.converts) == 9 and not any(walk.converts)
 
 
 def test_first_step_calibrates_on_its_own_amax(getkey):

@@ -1,5 +1,6 @@
 """partition_for_grad_overwrite, apply_updates, cast_floating, and interop with Haliax's helpers."""
 
+import dataclasses
 import warnings
 
 import equinox as eqx
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import Batch, HaliaxMLP, In, Mid, Out, mse
+from helpers import Batch, HaliaxMLP, In, Mid, Out, mse, settled
 
 import fp8ax
 
@@ -340,7 +341,15 @@ def test_an_ensemble_trained_correctly_does_not_warn(getkey, monkeypatch):
 
 def test_a_corrupt_ensemble_member_is_an_error(getkey):
     ens, loss, step = _ensemble_flow(getkey)
+    fresh = ens
     ens = step(ens)  # filled histories: the members take the delayed branch
+    # The checks live in the calibrating program, which a written layer leaves behind: put
+    # the filled state back into the fresh settings (as loading a checkpoint into a freshly
+    # converted ensemble does).
+    ens = jax.tree.map(
+        lambda f, e: dataclasses.replace(e, settings=f.settings) if isinstance(e, fp8ax.Fp8DotGeneral) else e,
+        fresh, ens, is_leaf=lambda x: isinstance(x, fp8ax.Fp8DotGeneral))
+    assert ens.layers[1].dot_general.recipe.calibrate_first_call
     broken = eqx.tree_at(lambda m: m.layers[1].dot_general.rhs.amax_history, ens,
                          ens.layers[1].dot_general.rhs.amax_history.at[2, 4].set(-1.0))
     with pytest.raises(Exception, match="fp8ax.apply_updates"):

@@ -4,10 +4,8 @@ from typing import Any, TypeVar
 
 import equinox as eqx
 import jax.tree_util as jtu
-import numpy as np
 
 from ._dot_general import Fp8DotGeneral
-from ._recipes import DelayedScaling
 from ._update import apply_updates, partition_for_grad_overwrite
 
 T = TypeVar("T")
@@ -17,15 +15,6 @@ def _is_dg(x: Any) -> bool:
     return isinstance(x, Fp8DotGeneral)
 
 
-def _filled(dg: Fp8DotGeneral) -> bool:
-    return all(bool(np.all(np.max(np.asarray(s.amax_history), axis=-1) > 0)) for s in (dg.lhs, dg.rhs, dg.grad))
-
-
-def _without_first_call_calibration(dg: Fp8DotGeneral) -> Fp8DotGeneral:
-    recipe = dataclasses.replace(dg.recipe, calibrate_first_call=False)
-    return dataclasses.replace(dg, settings=dataclasses.replace(dg.settings, recipe=recipe))
-
-
 def calibrate(model: T, loss_fn: Callable[..., Any], batches: Iterable[Any], *, keep_first_call: bool = False) -> T:
     """Fills the delayed-scaling histories of a converted model from a few batches,
     without changing any weight.
@@ -33,11 +22,12 @@ def calibrate(model: T, loss_fn: Callable[..., Any], batches: Iterable[Any], *, 
     For each batch it runs `eqx.filter_grad(loss_fn)(model, *batch)` under
     `eqx.filter_jit` and writes the new FP8 state only (as
     [`fp8ax.apply_updates`][]`(model, None, overwrite)`); the parameter gradients are
-    discarded. Every layer whose three histories are then filled is switched to
-    `DelayedScaling(calibrate_first_call=False)`, so a training step compiled afterwards
-    contains no conditional for the first-call calibration: each tensor is cast with the
-    scale its history gives (see the "How it works" page). Layers the batches did not
-    reach keep their settings.
+    discarded. Writing the state switches every layer the batches reached to
+    `DelayedScaling(calibrate_first_call=False)`, as the first training step would
+    (see [`fp8ax.apply_updates`][]), so the training step compiles once, straight to
+    the program of delayed scaling: each tensor is cast with the scale its history
+    gives, with no conditional and nothing that waits on the tensor's amax (see the
+    "How it works" page). Layers the batches did not reach keep their settings.
 
     The switch changes the layers' static settings, so a jitted step compiles once more.
     An optimiser state built as fp8ax's docs build it, from the model without its FP8
@@ -51,8 +41,8 @@ def calibrate(model: T, loss_fn: Callable[..., Any], batches: Iterable[Any], *, 
       gradient's FP8 part is used (the output-gradient histories record its gradients).
     - `batches`: an iterable of batches; each is a tuple of arguments for `loss_fn`
       after the model, or one argument.
-    - `keep_first_call`: keep `calibrate_first_call` as it is (only fill the
-      histories). (Keyword only argument.)
+    - `keep_first_call`: keep every layer's settings as they were, `calibrate_first_call`
+      included (only fill the histories). (Keyword only argument.)
 
     **Returns:**
 
@@ -82,6 +72,7 @@ def calibrate(model: T, loss_fn: Callable[..., Any], batches: Iterable[Any], *, 
         )
 
     grad_fn = eqx.filter_jit(eqx.filter_grad(loss_fn))
+    original = model
     n = 0
     for batch in batches:
         grads = grad_fn(model, *(batch if isinstance(batch, tuple) else (batch,)))
@@ -90,12 +81,12 @@ def calibrate(model: T, loss_fn: Callable[..., Any], batches: Iterable[Any], *, 
         n += 1
     if n == 0:
         raise ValueError("`batches` is empty: give at least one batch to calibrate on.")
-    if keep_first_call:
-        return model
+    if not keep_first_call:
+        return model  # `apply_updates` has switched every layer the batches reached
 
-    def switch(x):
-        if _is_dg(x) and isinstance(x.recipe, DelayedScaling) and x.recipe.calibrate_first_call and _filled(x):
-            return _without_first_call_calibration(x)
-        return x
+    def keep(before, after):
+        if _is_dg(after) and _is_dg(before):
+            return dataclasses.replace(after, settings=before.settings)
+        return after
 
-    return jtu.tree_map(switch, model, is_leaf=_is_dg)
+    return jtu.tree_map(keep, original, model, is_leaf=_is_dg)

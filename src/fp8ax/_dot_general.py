@@ -14,7 +14,7 @@ from ._boundaries import check_eager_shard_map
 from ._layout import DimensionNumbers, check_dimension_numbers
 from ._maxgrad import is_max
 from ._pipeline import Call, quantized_dot, vma
-from ._recipes import AbstractScalingRecipe
+from ._recipes import AbstractScalingRecipe, DelayedScaling
 from ._settings import GemmSettings, Mode
 from ._state import OverwriteWithGradient, ScalingState
 
@@ -192,19 +192,45 @@ class Fp8DotGeneral(OverwriteWithGradient):
         return tuple(raw)
 
     def _overwritten_by(self, new: "Fp8DotGeneral") -> "Fp8DotGeneral":
-        # Used by `apply_updates`: take the new state of every layer the step used.
+        # Used by `apply_updates`: take the new state of every layer the step used, and
+        # leave first-call calibration behind (see `_settled`).
         if self.lhs is None:  # a stateless recipe: nothing to write
             return self
-        return eqx.tree_at(
-            lambda m: (m.lhs, m.rhs, m.grad),
-            self,
-            (
-                self.lhs._overwritten_by(new.lhs),
-                self.rhs._overwritten_by(new.rhs),
-                self.grad._overwritten_by(new.grad),
-            ),
-            is_leaf=lambda x: isinstance(x, ScalingState),
+        states = (
+            self.lhs._overwritten_by(new.lhs),
+            self.rhs._overwritten_by(new.rhs),
+            self.grad._overwritten_by(new.grad),
         )
+        histories = [s.amax_history for s in states]
+        if any(isinstance(h, jax.core.Tracer) for h in histories):
+            base = self._settled()  # in a trace: what the trace saw (see `_settled`)
+        else:  # concrete (`calibrate`, an eager update): what the data says
+            filled = all(bool(np.all(np.max(np.asarray(h), axis=-1) > 0)) for h in histories)
+            base = self._settled() if filled else self
+        return eqx.tree_at(lambda m: (m.lhs, m.rhs, m.grad), base, states, is_leaf=lambda x: isinstance(x, ScalingState))
+
+    def _settled(self) -> "Fp8DotGeneral":
+        """This layer without first-call calibration: `DelayedScaling(calibrate_first_call=
+        False)`, once a step has written its state (in `apply_updates` and `calibrate`).
+
+        The calibrating program, which a fresh layer's first step needs, picks per tensor
+        between the scale from its own amax and the scale from its history. XLA:GPU turns
+        that small conditional into a `select` of both, so every FP8 cast would wait on a
+        reduction of its own input on every step. The layer's static settings say which
+        program to build instead: the first step is traced with calibration, the state it
+        writes fills the histories, and the step after it compiles once more, to the
+        program of delayed scaling alone. Inside a trace the switch can only follow
+        what the trace saw: every layer the gradient reaches is switched, and one that
+        did not run in its first step (unused by the loss, or in the branch of a
+        `lax.cond` not taken), or saw only zeros or NaNs, starts from scale 1 when it
+        first runs (Haliax's and Flax's first step), and follows its history after that.
+        Written eagerly (`calibrate` does), the state is concrete and a layer is switched
+        only once all three of its histories hold an amax."""
+        recipe = self.settings.recipe
+        if not (isinstance(recipe, DelayedScaling) and recipe.calibrate_first_call):
+            return self
+        settled = dataclasses.replace(recipe, calibrate_first_call=False)
+        return dataclasses.replace(self, settings=dataclasses.replace(self.settings, recipe=settled))
 
     # Haliax state dicts (`haliax.state_dict.to_state_dict`, Hugging Face export) hold
     # weights only: the FP8 state is training state, kept by training checkpoints

@@ -56,6 +56,14 @@ def apply_updates(model: T, updates: T, overwrite: T) -> T:
     was instead of being overwritten with zeros. Parameters keep their dtype (a bf16
     parameter plus a float32 update stays bf16).
 
+    A layer whose state is written leaves first-call calibration behind: its recipe
+    becomes `DelayedScaling(calibrate_first_call=False)`, a static setting, so the next
+    call of a jitted step compiles once more, to a program that casts every tensor with
+    the scale its history gives and never waits for the tensor's own amax (XLA:GPU turns
+    the first step's small conditional into a `select` that would). A training loop
+    inside `lax.scan` needs the same program on every step: run
+    [`fp8ax.calibrate`][] (or one step) before it.
+
     **Arguments:**
 
     - `model`: the model being trained.
