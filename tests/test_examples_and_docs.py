@@ -257,12 +257,13 @@ def test_readme_starts_with_the_two_commands():
     head = readme[:3000]
     assert ".venv/bin/python examples/demo.py" in head
     assert '.venv/bin/pip install -e ".[test]" && .venv/bin/python -m pytest -q' in head
-    # CI's two runs (Python 3.11 / jax 0.10, Python 3.12 / newest jax) are the README's
-    # commands, with the interpreter CI finds and a quiet pip.
+    # CI's runs (Python 3.11 / jax 0.10, Python 3.12 / newest jax, and the deviceless GPU
+    # compile) are the README's commands, with the interpreter CI finds and a quiet pip.
     ci = (ROOT / ".ci" / "run").read_text()
     runs = re.findall(r'^"\$py3\d+" -m venv (.+?) \|\| rc\d=\$\?$', ci, flags=re.MULTILINE)
-    assert len(runs) == 2, runs
+    assert len(runs) == 3, runs
     assert all(".venv" in run and "/bin/python -m pytest -q" in run for run in runs), runs
+    assert "jax[cuda12]" in runs[2] and "FP8AX_REQUIRE_GPU_AOT=1" in runs[2], runs[2]
     for run in runs:
         assert run.replace(" install -q -e ", " install -e ") in head, run
 
