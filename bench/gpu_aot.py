@@ -20,10 +20,12 @@ as bench/gpu.py):
   merge the q, k and v projections into one);
 
 in the variants ``bf16``; ``haliax_fp8`` (Haliax's own FP8); ``fp8ax_direct`` and
-``fp8ax_qdq`` (fp8ax's default step: first-call calibration); ``fp8ax_direct_cal`` and
-``fp8ax_qdq_cal`` (the step after ``fp8ax.calibrate``, whose layers run
-``DelayedScaling(calibrate_first_call=False)``: the program is the same whatever the
-calibration data, so it is built that way here, without data).
+``fp8ax_qdq`` (fp8ax's training step in its two modes: the program every step after the
+first runs, and the first step after ``fp8ax.calibrate``; its layers run
+``DelayedScaling(calibrate_first_call=False)``, which ``fp8ax.apply_updates`` switches a
+layer to once its state is written, so it is built that way here, without data);
+``fp8ax_direct_first`` and ``fp8ax_qdq_first`` (the first step of a fresh model, which
+calibrates each scale on its tensor's own amax and is compiled once).
 
 Per variant (see bench/gpu_hlo.py for the exact definitions): GEMMs, FP8 GEMMs and the
 path each took, GEMM output dtypes, kernels, HBM bytes of the non-GEMM kernels, FP8 casts
@@ -36,7 +38,7 @@ Run::
 
     python bench/gpu_aot.py                     # both steps, both paths; bench/results/gpu_aot_h100.json
     python bench/gpu_aot.py --quick             # every size / 16: a smoke test (~1 min)
-    python bench/gpu_aot.py --steps mlp --variants bf16,fp8ax_direct_cal --dump /tmp/hlo
+    python bench/gpu_aot.py --steps mlp --variants bf16,fp8ax_direct --dump /tmp/hlo
 
 Exit status 2 (and the reason) when the CUDA plugin is not installed.
 """
@@ -91,7 +93,7 @@ device_description_str: "NVIDIA H100 80GB HBM3"
 H100 = {"fp8_flops_per_s": 989.4e12, "bf16_flops_per_s": 494.7e12, "bytes_per_s": 3.35e12}
 
 PATHS = {"triton": "", "cublas": "--xla_gpu_enable_triton_gemm=false"}
-VARIANTS = ("bf16", "haliax_fp8", "fp8ax_direct", "fp8ax_direct_cal", "fp8ax_qdq", "fp8ax_qdq_cal")
+VARIANTS = ("bf16", "haliax_fp8", "fp8ax_direct", "fp8ax_qdq", "fp8ax_direct_first", "fp8ax_qdq_first")
 STEPS = ("mlp", "block")
 SIZES = {"tokens": 8192, "batch": 4, "embed": 4096, "mlp": 14336, "heads": 32, "head_dim": 128}
 
@@ -172,7 +174,7 @@ def _build(variant: str, base):
     if variant in ("bf16", "haliax_fp8"):
         return gpu.build_mlp(variant, base)
     mode = "qdq" if "qdq" in variant else "direct"
-    recipe = fp8ax.DelayedScaling(calibrate_first_call=not variant.endswith("_cal"))
+    recipe = fp8ax.DelayedScaling(calibrate_first_call=variant.endswith("_first"))
     return fp8ax.cast_floating(fp8ax.fp8_linear_layers(base, fp8ax.Fp8Config(mode=mode, recipe=recipe)), jnp.bfloat16)
 
 
