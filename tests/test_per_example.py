@@ -119,6 +119,9 @@ def test_per_example_scales_warn_once(getkey, monkeypatch):
         np.asarray(eqx.filter_grad(lambda m, i=i: jnp.sum(m(x[i]) * wy[i]))(lin).weight, dtype=np.float64)
         for i in range(x.shape[0])
     )
+    # Each example quantised on its own scales in both: the same products, summed over
+    # the examples in float32 (in another order) here and in float64 there.
+    np.testing.assert_allclose(np.asarray(g.weight, np.float64), ref, rtol=1e-5, atol=1e-6)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         jax.jit(lambda m: _grads(m, 2 * x, per_example=True))(lin)  # a new trace: no second warning
