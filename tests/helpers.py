@@ -1,3 +1,5 @@
+import dataclasses
+
 import equinox as eqx
 import haliax as hax
 import jax
@@ -199,3 +201,11 @@ def settled(tree):
     (static settings are not saved; the template's are kept)."""
     is_dg = lambda x: isinstance(x, fp8ax.Fp8DotGeneral)  # noqa: E731
     return jax.tree.map(lambda x: x._settled() if is_dg(x) else x, tree, is_leaf=is_dg)
+
+
+def with_settings_of(template, model):
+    """`model`'s arrays in `template`'s FP8 settings, as loading a checkpoint of `model`
+    into the freshly converted `template` gives (static settings are not saved)."""
+    is_dg = lambda x: isinstance(x, fp8ax.Fp8DotGeneral)  # noqa: E731
+    return jax.tree.map(
+        lambda t, m: dataclasses.replace(m, settings=t.settings) if is_dg(m) else m, template, model, is_leaf=is_dg)

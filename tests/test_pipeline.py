@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import fp8ax
-from helpers import CALIBRATING, DELAYED, train_step
+from helpers import CALIBRATING, DELAYED, train_step, with_settings_of
 from helpers import walk_train_step as _walk_step
 
 
@@ -41,9 +41,7 @@ def test_delayed_scaling_casts_do_not_wait_for_their_amax(getkey):
     # converted model) runs the calibrating program: two conditionals per layer (one for
     # both forward operands, one for the output gradient), and the delayed branch every
     # time: nothing calibrates, no cast waits.
-    reloaded = jax.tree.map(
-        lambda f, m: dataclasses.replace(m, settings=f.settings) if isinstance(m, fp8ax.Fp8DotGeneral) else m,
-        fresh, model, is_leaf=lambda d: isinstance(d, fp8ax.Fp8DotGeneral))
+    reloaded = with_settings_of(fresh, model)
     walk = _walk_step(reloaded, x)
     assert walk.branches == [DELAYED] * 6
     assert len(walk.converts) == 9 and not any(walk.converts)

@@ -1,6 +1,5 @@
 """partition_for_grad_overwrite, apply_updates, cast_floating, and interop with Haliax's helpers."""
 
-import dataclasses
 import warnings
 
 import equinox as eqx
@@ -11,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import Batch, HaliaxMLP, In, Mid, Out, mse, settled
+from helpers import Batch, HaliaxMLP, In, Mid, Out, mse, with_settings_of
 
 import fp8ax
 
@@ -346,9 +345,7 @@ def test_a_corrupt_ensemble_member_is_an_error(getkey):
     # The checks live in the calibrating program, which a written layer leaves behind: put
     # the filled state back into the fresh settings (as loading a checkpoint into a freshly
     # converted ensemble does).
-    ens = jax.tree.map(
-        lambda f, e: dataclasses.replace(e, settings=f.settings) if isinstance(e, fp8ax.Fp8DotGeneral) else e,
-        fresh, ens, is_leaf=lambda x: isinstance(x, fp8ax.Fp8DotGeneral))
+    ens = with_settings_of(fresh, ens)
     assert ens.layers[1].dot_general.recipe.calibrate_first_call
     broken = eqx.tree_at(lambda m: m.layers[1].dot_general.rhs.amax_history, ens,
                          ens.layers[1].dot_general.rhs.amax_history.at[2, 4].set(-1.0))

@@ -112,9 +112,10 @@ def amax(x: ArrayLike) -> Array:
 
     Chosen per platform when the program is lowered (`lax.platform_dependent`, so a
     program compiled ahead of time for a GPU on a CPU host gets the GPU's form): a plain
-    max reduction everywhere but on CPU. XLA's `max` propagates NaN, but the CPU backend of jax 0.10 reduces large arrays with
-    a kernel that skips NaNs (`jnp.max(jnp.abs(x))` of a 256x1024 array holding one NaN
-    returns the largest finite value). The max is therefore taken together with the min
+    max reduction everywhere but on CPU. XLA's `max` propagates NaN, but the CPU backend
+    of jax 0.10 reduces large arrays with a kernel that skips NaNs (`jnp.max(jnp.abs(x))`
+    of a 256x1024 array holding one NaN returns the largest finite value). On CPU the
+    max is therefore taken together with the min
     in one variadic reduction, which backends compile with their own reduction emitter
     (with `abs` fused in, and on CPU without the NaN-skipping kernel); the min is NaN
     exactly when some element is, and turns the amax into +inf then. Both results must
