@@ -21,14 +21,19 @@ B, IN, OUT = 64, 32, 16
 
 
 def _largest_intermediate(jaxpr) -> tuple[int, str]:
-    """The largest array any equation of `jaxpr` (sub-jaxprs included) produces."""
+    """The largest array any equation of `jaxpr` (sub-jaxprs included) produces, leaving
+    out the amax histories (last axis 1024, the default length: a layer's histories
+    are stacked into one (3, 1024) array, which is state, not data)."""
     best = (0, "")
 
     def visit(jx):
         nonlocal best
         for eqn in jx.eqns:
             for v in eqn.outvars:
-                size = int(np.prod(getattr(v.aval, "shape", ())))
+                shape = getattr(v.aval, "shape", ())
+                if shape[-1:] == (1024,):
+                    continue
+                size = int(np.prod(shape))
                 if size > best[0]:
                     best = (size, f"{eqn.primitive.name} -> {v.aval}")
             for p in eqn.params.values():

@@ -238,3 +238,34 @@ def test_stale_watch_runs_nothing_on_the_device():
     assert watch.calls == 1
     with pytest.raises(ValueError, match="optimiser|optimizer"):
         watch.tick((_HostOnly(True),), (_HostOnly([False, True]),))
+
+
+def test_gemm_output_scales_are_planned_with_the_operand_scales(getkey, monkeypatch):
+    # After the first step, each of a bf16 layer's three FP8 GEMMs gets its output scale
+    # (the product of its operands' scales) from the plan, computed beside the scales;
+    # and the step is bit for bit the one that multiplies the scales at the GEMM.
+    from fp8ax import _pipeline
+
+    model = fp8ax.cast_floating(_model(getkey, fp8ax.DelayedScaling(calibrate_first_call=False)), jnp.bfloat16)
+    x = jax.random.normal(getkey(), (32, 8)).astype(jnp.bfloat16)
+    model = eqx.filter_jit(train_step)(model, x)
+    gemm = _pipeline._gemm
+    given = []
+
+    def recording(call, qa, a, qb, b, dims, precision, out_dtype, scale=None):
+        given.append(scale is not None)
+        return gemm(call, qa, a, qb, b, dims, precision, out_dtype, scale)
+
+    monkeypatch.setattr(_pipeline, "_gemm", recording)
+    planned = eqx.filter_jit(lambda m, x: train_step(m, x))(model, x)  # a new function: traced again
+    # 3 layers x 3 GEMMs (the weight gradient is traced twice: `custom_vmap` traces the
+    # unbatched function before its rule).
+    assert len(given) >= 9 and all(given), given
+    given.clear()
+    monkeypatch.setattr(fp8ax.DelayedScaling, "planned_scale", lambda self, plan: None)
+    unplanned = eqx.filter_jit(lambda m, x: train_step(m, x))(model, x)
+    assert len(given) >= 9 and not any(given), given
+    arrays = lambda m: jax.tree.leaves(eqx.filter(m, eqx.is_array))  # noqa: E731
+    assert len(arrays(planned)) == len(arrays(unplanned)) > 9
+    for a, b in zip(arrays(planned), arrays(unplanned)):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

@@ -235,3 +235,43 @@ def test_bad_operands_are_errors():
         recipe.plan([state, None])
     with pytest.raises(TypeError, match=r"`state` must be a `\(scale, amax_history\)` pair, got ScalingState"):
         recipe.plan([fp8ax.ScalingState.init(4)])
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("margin", [0, 3])
+def test_scales_planned_together_are_each_states_own(algo, margin, getkey):
+    # `plan` computes the scales of a call's states on a stack of them; each must be the
+    # formula for that state alone (float32: amax * float32(2**margin / fp8_max), the old
+    # scale where the history gives no usable amax), and what `quantize_operand` of that
+    # state alone uses. Two formats, an empty and a corrupt history, one that
+    # underflows, and one of another length (planned apart: it cannot be stacked).
+    recipe = fp8ax.DelayedScaling(history_length=4, margin=margin, amax_compute_algo=algo, calibrate_first_call=False)
+    e4, e5 = recipe.fwd_dtype, recipe.grad_dtype
+    cases = [  # (scale, history, format)
+        (0.5, [3.0, 7.0, 0.0, 0.0], e4),
+        (0.25, [0.0, 0.0, 0.0, 0.0], e4),
+        (2.0, [5.0, -1.0, 0.0, 0.0], e5),
+        (1.0, [1e-3, 7.0, 0.0, 0.0], e5),
+        (0.125, [1e-44, 1e-45, 0.0, 0.0], e4),
+        (3.0, [600.0, 2.0, 1.0, 0.0, 0.0, 0.0], e5),
+    ]
+    states = [(jnp.float32(s), jnp.asarray(h, jnp.float32)) for s, h, _ in cases]
+    dtypes = [d for _, _, d in cases]
+    plans = jax.jit(lambda sts: recipe.plan(sts, dtypes))(states)
+    for (s, h, d), st, p in zip(cases, states, plans):
+        h = np.asarray(h, np.float32)
+        amax = (h.max() if algo == "max" else h[0]) if h.min() >= 0 else np.float32(0)
+        new = np.float32(amax) * np.float32(2.0**margin / float(ml_dtypes.finfo(d).max))
+        want = new if (np.isfinite(new) and new > 0) else np.float32(s)
+        got = recipe.planned_scale(p)
+        assert np.asarray(got) == want, (s, h.tolist())
+        assert np.asarray(p.inv) == np.float32(1) / want
+        x = jax.random.normal(getkey(), (3, 4))
+        q, _ = jax.jit(lambda x, st: recipe.quantize_operand(x, (1,), d, state=st))(x, st)
+        assert np.asarray(q.scale) == want
+    # With the first-call calibration, or without the formats, nothing is planned.
+    assert recipe.planned_scale(recipe.plan(states[:1])[0]) is None
+    calibrating = fp8ax.DelayedScaling(history_length=4)
+    assert calibrating.planned_scale(calibrating.plan(states[:1], dtypes[:1])[0]) is None
+    with pytest.raises(ValueError, match=r"`dtypes` must give one format per state \(2\), got 1"):
+        recipe.plan(states[:2], dtypes[:1])

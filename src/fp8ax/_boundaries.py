@@ -48,6 +48,13 @@ except ImportError:  # pragma: no cover (a JAX that moved them: the tests of the
     _shard_map_module = _conditionals = None
 
 
+def vma(x) -> frozenset:
+    """The `jax.shard_map` axes a value varies over (empty outside `shard_map`)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)  # jax 0.10; older releases call it `vma`
+    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", None) or ())
+
+
 def _codes(module, *names):
     """The code objects of the functions `names` of `module` that exist (JAX renames them
     between releases: jax 0.12 calls the shard_map transpose `_shard_map_transpose_fancy`)."""

@@ -47,10 +47,10 @@ def quantize(x: ArrayLike, scale: ArrayLike, dtype: np.dtype, *, inv: ArrayLike 
     The division is computed as `x * (1 / scale)`, both in float32 whatever `x`'s dtype:
     XLA rewrites a division by a broadcast scalar into exactly this, so we write it out to
     make the result well defined (and testable bit for bit). Finite values beyond the
-    format's range saturate to +-max instead of becoming inf. Non-finite inputs stay
-    non-finite: NaN stays NaN, and +-inf becomes the format's inf (E5M2) or NaN (the
-    formats without inf), so a diverging tensor shows in the result as it would without
-    FP8 instead of being clipped into a plausible number.
+    format's range saturate to +-max instead of becoming inf. Non-finite inputs (NaN and
+    +-inf) become NaN, in every format (E5M2's inf included), so a diverging tensor
+    shows in the result as it would without FP8 instead of being clipped into a
+    plausible number.
 
     `inv`, when given, is `reciprocal(scale)` computed by the caller (where it is cheaper
     to compute beside the scale); the result is the same.
@@ -65,13 +65,16 @@ def reciprocal(scale: ArrayLike) -> Array:
 
 def scale_and_clip(x: ArrayLike, scale: ArrayLike, dtype: np.dtype, *, inv: ArrayLike | None = None) -> Array:
     """The float32 values `quantize` rounds: `x * (1 / scale)` clipped to the format's
-    range, +-inf kept. Shared with the stochastic rounding path."""
+    range, NaN where `x` is not finite. Shared with the stochastic rounding path."""
     bound = fp8_max(dtype)
     inv = reciprocal(scale) if inv is None else _as_f32(inv)
     xf = _as_f32(x)
     clipped = lax.clamp(np.float32(-bound), lax.mul(xf, broadcast(inv, xf.shape)), np.float32(bound))
-    # Finite values saturate; +-inf and NaN pass through (the cast keeps them non-finite).
-    return select(lax.is_finite(xf), clipped, xf)
+    # Finite values saturate; a non-finite one becomes NaN: `xf - xf` is 0 where `xf` is
+    # finite and NaN elsewhere, and subtracting it keeps the sign of a zero. A `select` on
+    # `is_finite(xf)` (which kept E5M2's inf) made XLA:GPU write a boolean mask of the
+    # tensor in a kernel of its own before some transposing casts: a pass more.
+    return lax.sub(clipped, lax.sub(xf, xf))
 
 
 def select(pred: ArrayLike, on_true: ArrayLike, on_false: ArrayLike) -> Array:
@@ -92,6 +95,15 @@ def broadcast(x: Array, shape: tuple[int, ...]) -> Array:
     if x.shape == shape:
         return x
     return lax.broadcast_in_dim(x, shape, tuple(range(len(shape) - x.ndim, len(shape))))
+
+
+def stack(xs, axis: int = -1) -> Array:
+    """Arrays of one shape stacked along a new `axis` (negative: counted from the end of
+    the result), with `lax` (see `select`)."""
+    xs = [_as_array(x) for x in xs]
+    ndim = xs[0].ndim + 1
+    axis = axis % ndim
+    return lax.concatenate([lax.expand_dims(x, (axis,)) for x in xs], axis)
 
 
 def _as_array(x: ArrayLike) -> Array:

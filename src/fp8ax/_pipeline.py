@@ -28,6 +28,7 @@ from jax.custom_batching import custom_vmap
 from jaxtyping import Array
 
 from . import _boundaries
+from ._boundaries import vma
 from ._current import content_key
 from ._layout import bwd_layout, oriented_gemm, rescale
 from ._maxgrad import as_f32, merged_amax, raw_to_max
@@ -50,12 +51,6 @@ class Call(NamedTuple):
     state_is_max: tuple[bool, ...]  # which state values arrive in the max-accumulating dtype
     lhs_vma: frozenset  # `jax.shard_map` axes the operands vary over (empty outside shard_map)
     rhs_vma: frozenset
-
-
-def vma(x) -> frozenset:
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)  # jax 0.10; older releases call it `vma`
-    return frozenset(mat.varying if mat is not None else getattr(aval, "vma", None) or ())
 
 
 def reduce_to(value, target_vma: frozenset, reduce):
@@ -145,10 +140,29 @@ def _grad_once(call: Call) -> bool:
             and not ("dlhs" in hp and "drhs" in hp))
 
 
-def _plans(call: Call, states: dict) -> dict:
+# The three GEMMs of a call: (name, its operands in order, the dtype it writes).
+def _gemms(call: Call):
+    return (("fwd", "lhs", "rhs", call.out_dtype), ("dlhs", "grad", "rhs", call.lhs_dtype),
+            ("drhs", "lhs", "grad", call.rhs_dtype))
+
+
+def _role_dtype(call: Call, role: str) -> np.dtype:
+    recipe = call.settings.operand_recipe(role)
+    return recipe.grad_dtype if role == "grad" else recipe.fwd_dtype
+
+
+def _plans(call: Call, states: dict) -> tuple[dict, dict]:
     """Each stateful operand's plan (see `AbstractScalingRecipe.plan`): a recipe plans
     the operands it quantises with state in this call, forward ones and the gradient,
-    together, in the forward pass."""
+    together, in the forward pass.
+
+    Also the output scale of each GEMM whose two operands have planned scales (known
+    from the state alone, delayed scaling after its first call) and whose scales go into
+    its epilogue: their product, computed here beside the scales. The plans and the
+    products go behind one optimisation barrier. Without it XLA:GPU merges the scalar
+    arithmetic of a cast's scale with that of the next state (which reads the tensor's
+    amax), and the FP8 cast waits on the reduction of its own input; and a product
+    computed next to its GEMM is a kernel of its own on the cuBLASLt path."""
     plans = dict.fromkeys(ROLES)
     roles = [r for r in ROLES if states[r] is not None]
     if "fwd" in call.settings.high_precision_gemms:
@@ -156,9 +170,29 @@ def _plans(call: Call, states: dict) -> dict:
     if not _grad_once(call):
         roles = [r for r in roles if r != "grad"]
     for recipe, idx in _by_recipe(call, roles):
-        planned = recipe.plan([states[roles[i]] for i in idx])
+        planned = recipe.plan([states[roles[i]] for i in idx], [_role_dtype(call, roles[i]) for i in idx])
         plans.update((roles[i], p) for i, p in zip(idx, planned))
-    return plans
+    scales = {r: call.settings.operand_recipe(r).planned_scale(plans[r]) for r in roles}
+    if all(s is None for s in scales.values()):
+        return plans, {}
+    products = {}
+    for name, a, b, out_dtype in _gemms(call):
+        sa, sb = scales.get(a), scales.get(b)
+        if sa is not None and sb is not None and _epilogue_scaled(call, name, a, b, out_dtype):
+            products[name] = lax.mul(_f32(sa), _f32(sb))
+    return lax.optimization_barrier((plans, products))
+
+
+def _epilogue_scaled(call: Call, name: str, a: str, b: str, out_dtype) -> bool:
+    """Whether GEMM `name` runs on two FP8 operands with tensor-wise scales and puts
+    their product into its epilogue (`_gemm`'s first branch), as far as the settings
+    tell; `_gemm` checks the operands themselves."""
+    st = call.settings
+    if st.mode != "direct" or name in st.high_precision_gemms:
+        return False
+    dtypes = [np.dtype(_role_dtype(call, r)) for r in (a, b)]
+    return (all(d.itemsize == 1 and jnp.issubdtype(d, jnp.floating) for d in dtypes)
+            and np.dtype(out_dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)))
 
 
 def _reusable(call: Call, role: str, q) -> bool:
@@ -205,8 +239,9 @@ def _dequantise(q: QuantizedArray, dtype):
     return q.dequantize(dtype)
 
 
-def _gemm(call: Call, qa, a, qb, b, dims, precision, out_dtype):
-    """`a . b` from their quantised forms (`None`: use the high-precision operand)."""
+def _gemm(call: Call, qa, a, qb, b, dims, precision, out_dtype, scale=None):
+    """`a . b` from their quantised forms (`None`: use the high-precision operand).
+    `scale`, if given, is `qa.scale * qb.scale` in float32, computed beforehand."""
     ref = np.result_type(call.lhs_dtype, call.rhs_dtype)
     if call.settings.mode == "direct" and qa is not None and qb is not None:
         pair = _low_precision_pair(qa, qb)
@@ -223,7 +258,9 @@ def _gemm(call: Call, qa, a, qb, b, dims, precision, out_dtype):
                 # product to the dtype before the scale multiply, a GPU after: at most one
                 # unit in the last place apart.
                 out = lax.dot_general(qa.values, qb.values, dims, precision=precision, preferred_element_type=out_dtype)
-                scale = lax.convert_element_type(lax.mul(_f32(qa.scale), _f32(qb.scale)), out_dtype)
+                if scale is None:
+                    scale = lax.mul(_f32(qa.scale), _f32(qb.scale))
+                scale = lax.convert_element_type(scale, out_dtype)
                 return lax.mul(out, lax.broadcast_in_dim(scale, out.shape, ()))
             acc_dtype = jnp.int32 if pair == "int32" else jnp.float32
             acc = lax.dot_general(qa.values, qb.values, dims, precision=precision, preferred_element_type=acc_dtype)
@@ -257,7 +294,7 @@ def quantized_dot(call: Call, lhs, rhs, *state) -> Array:
 def _fwd(call: Call, lhs, rhs, *raw):
     st = call.settings
     states = _states(raw)
-    plans = _plans(call, states)
+    plans, products = _plans(call, states)
     (lc, rc), _ = call.dims
     ql = qr = new_l = new_r = None
     if "fwd" not in st.high_precision_gemms:
@@ -266,19 +303,31 @@ def _fwd(call: Call, lhs, rhs, *raw):
         )
         if qr is not None and states["rhs"] is not None and st.fp8_all_gather_axes is not None:
             qr = QuantizedArray(_lay_out_by_axis_mapping(qr.values, st.fp8_all_gather_axes), qr.scale)
-    out = _gemm(call, ql, lhs, qr, rhs, call.dims, call.fwd_precision, call.out_dtype)
+    # A GEMM's precomputed output scale serves only operands quantised with the planned
+    # scales (the very arrays the plan holds).
+    planned = {r: (st.operand_recipe(r).planned_scale(plans[r]) if plans[r] is not None else None) for r in ROLES}
+
+    def is_planned(q, role):
+        return q is not None and planned[role] is not None and q.scale is planned[role]
+
+    fwd_scale = products.get("fwd") if is_planned(ql, "lhs") and is_planned(qr, "rhs") else None
+    out = _gemm(call, ql, lhs, qr, rhs, call.dims, call.fwd_precision, call.out_dtype, fwd_scale)
     # Keep the quantised operand for the backward pass where it serves as it is (tensor
     # scale, GEMM not in high precision); otherwise the operand itself.
     res_l = ql if _reusable(call, "lhs", ql) and "drhs" not in st.high_precision_gemms else lhs
     res_r = qr if _reusable(call, "rhs", qr) and "dlhs" not in st.high_precision_gemms else rhs
-    return out, (res_l, res_r, new_l, new_r, states["grad"], plans["grad"])
+    # The backward GEMMs' output scales, where the forward copy they reuse is planned
+    # (the gradient's side is checked in `_bwd`).
+    bwd_scales = (products.get("dlhs") if res_r is qr and is_planned(qr, "rhs") else None,
+                  products.get("drhs") if res_l is ql and is_planned(ql, "lhs") else None)
+    return out, (res_l, res_r, new_l, new_r, states["grad"], plans["grad"], bwd_scales)
 
 
 def _bwd(call: Call, residuals, g):
     if any(call.state_is_max) and _boundaries.in_unchecked_shard_map_transpose():
         raise ValueError(_boundaries.UNCHECKED_SHARD_MAP)
     st = call.settings
-    res_l, res_r, new_l, new_r, g_state, g_plan = residuals
+    res_l, res_r, new_l, new_r, g_state, g_plan, (dlhs_scale, drhs_scale) = residuals
     (_, _), (_, rb) = call.dims
     lay = bwd_layout(call.dims, _ndim(res_l), _ndim(res_r))
     hp = st.high_precision_gemms
@@ -291,6 +340,10 @@ def _bwd(call: Call, residuals, g):
     shared_g, new_g = None, None
     if _grad_once(call):
         shared_g, new_g = _quantise(call, "grad", g, lay.g_rfree, g_state, plan=g_plan)
+    g_planned = g_plan is not None and shared_g is not None and (
+        shared_g.scale is grad_recipe.planned_scale(g_plan))
+    if not g_planned:
+        dlhs_scale = drhs_scale = None
 
     # d lhs = g . rhs, contracting g's rhs-free dims with rhs's free dims.
     if "dlhs" in hp:
@@ -298,9 +351,10 @@ def _bwd(call: Call, residuals, g):
     else:
         qg1, g1 = (shared_g, g) if shared_g is not None else (_quantise(call, "grad", g, lay.g_rfree, key=keys[0])[0], g)
         qr1, r1 = _operand(call, "rhs", res_r, lay.r_free)
-    dlhs = oriented_gemm(_gemm_fn(call, qg1, g1, qr1, r1, st.dlhs_precision, call.lhs_dtype),
+    dlhs_scale = dlhs_scale if (qg1 is shared_g and qr1 is res_r) else None
+    dlhs = oriented_gemm(_gemm_fn(call, qg1, g1, qr1, r1, st.dlhs_precision, call.lhs_dtype, dlhs_scale),
                          lay.g_rfree, lay.r_free, lay.g_batch, rb, lay.dlhs_ab, lay.dlhs_ba)
-    drhs = _batchable_drhs(call)(res_l, res_r, g, shared_g, keys[1])
+    drhs = _batchable_drhs(call)(res_l, res_r, g, shared_g, drhs_scale, keys[1])
     # Inside `jax.shard_map` the cotangent of an operand that does not vary over a manual
     # axis (a replicated weight) is summed over it, as JAX's own `dot_general` does.
     dlhs = reduce_to(dlhs, call.lhs_vma, lax.psum)
@@ -323,7 +377,7 @@ def _operand(call: Call, role: str, res, axes, key=None):
     return _quantise(call, role, res, axes, key=key)[0], res
 
 
-def _gemm_fn(call: Call, qa, a, qb, b, precision, out_dtype):
+def _gemm_fn(call: Call, qa, a, qb, b, precision, out_dtype, scale=None):
     """A backward GEMM. On two FP8 operands its default precision is `HIGHEST`: XLA:GPU
     then accumulates in full precision, not with cuBLASLt's fast FP8 accumulation, which
     loses accuracy over the long contractions of the weight gradient (TransformerEngine,
@@ -333,15 +387,16 @@ def _gemm_fn(call: Call, qa, a, qb, b, precision, out_dtype):
 
     def gemm(swapped, dims):
         if swapped:
-            return _gemm(call, qb, b, qa, a, dims, precision, out_dtype)
-        return _gemm(call, qa, a, qb, b, dims, precision, out_dtype)
+            return _gemm(call, qb, b, qa, a, dims, precision, out_dtype, scale)
+        return _gemm(call, qa, a, qb, b, dims, precision, out_dtype, scale)
 
     return gemm
 
 
-def _drhs(call: Call, res_l, res_r, g, shared_g, key):
+def _drhs(call: Call, res_l, res_r, g, shared_g, scale, key):
     """d rhs = lhs . g, contracting lhs's free dims with g's lhs-free dims. (`res_r` only
-    gives the layout; `shared_g` is the gradient quantised once for both GEMMs, if it is.)"""
+    gives the layout; `shared_g` is the gradient quantised once for both GEMMs, if it is;
+    `scale` the GEMM's output scale, if it was planned.)"""
     st = call.settings
     (_, _), (lb, _) = call.dims
     lay = bwd_layout(call.dims, _ndim(res_l), _ndim(res_r))
@@ -350,7 +405,8 @@ def _drhs(call: Call, res_l, res_r, g, shared_g, key):
     else:
         ql, l = _operand(call, "lhs", res_l, lay.l_free)
         qg, g2 = (shared_g, g) if shared_g is not None else (_quantise(call, "grad", g, lay.g_lfree, key=key)[0], g)
-    return oriented_gemm(_gemm_fn(call, ql, l, qg, g2, st.drhs_precision, call.rhs_dtype),
+    scale = scale if (ql is res_l and shared_g is not None and qg is shared_g) else None
+    return oriented_gemm(_gemm_fn(call, ql, l, qg, g2, st.drhs_precision, call.rhs_dtype, scale),
                          lay.l_free, lay.g_lfree, lb, lay.g_batch, lay.drhs_ab, lay.drhs_ba)
 
 
@@ -370,12 +426,12 @@ def _batchable_drhs(call: Call):
     """
 
     @custom_vmap
-    def drhs(res_l, res_r, g, shared_g, key):
-        return _drhs(call, res_l, res_r, g, shared_g, key)
+    def drhs(res_l, res_r, g, shared_g, scale, key):
+        return _drhs(call, res_l, res_r, g, shared_g, scale, key)
 
     @drhs.def_vmap
-    def rule(axis_size, in_batched, res_l, res_r, g, shared_g, key):
-        l_b, r_b, g_b, sg_b, k_b = in_batched
+    def rule(axis_size, in_batched, res_l, res_r, g, shared_g, scale, key):
+        l_b, r_b, g_b, sg_b, s_b, k_b = in_batched
         lhs_b = l_b.values if isinstance(res_l, QuantizedArray) else l_b
         per_example = lhs_b and g_b and not any(jax.tree.leaves(r_b))
         if per_example and _shared_lhs(call, res_l, l_b) and _shared_grad(call, shared_g, sg_b):
@@ -386,11 +442,14 @@ def _batchable_drhs(call: Call):
             g = jnp.moveaxis(g, 0, len(lb))
             if shared_g is not None:
                 shared_g = QuantizedArray(jnp.moveaxis(shared_g.values, 0, len(lb)), shared_g.scale)
-            return _batchable_drhs(call._replace(dims=dims))(res_l, res_r, g, shared_g, key), False
+            # The scales are the examples' shared ones, and so is their product.
+            scale = None if s_b else scale
+            return _batchable_drhs(call._replace(dims=dims))(res_l, res_r, g, shared_g, scale, key), False
         if per_example:
             _warn_per_example(call)
         axes = jax.tree.map(lambda b: 0 if b else None, in_batched)
-        out = jax.vmap(functools.partial(_drhs, call), in_axes=axes, axis_size=axis_size)(res_l, res_r, g, shared_g, key)
+        out = jax.vmap(functools.partial(_drhs, call), in_axes=axes, axis_size=axis_size)(
+            res_l, res_r, g, shared_g, scale, key)
         return out, True
 
     return drhs

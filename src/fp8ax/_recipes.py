@@ -21,6 +21,7 @@ from jax import lax
 from jaxtyping import Array, Float
 
 from . import _formats
+from ._boundaries import vma
 from ._hostcheck import host_check
 from ._quantized import QuantizedArray, ScaleLayout
 from ._state import ScalingState
@@ -140,17 +141,31 @@ class AbstractScalingRecipe(eqx.Module):
         """
         raise NotImplementedError
 
-    def plan(self, states: Sequence[tuple[Array, Array] | None]) -> list[Any]:
+    def plan(self, states: Sequence[tuple[Array, Array] | None], dtypes: Sequence[np.dtype] | None = None) -> list[Any]:
         """What the operands of one call share, decided once from their states.
 
         The GEMM pipeline calls this once per call, in the forward pass, with the state
         of every operand of the call that this recipe quantises with state (forward
-        operands and output gradient), and hands each operand its plan in
+        operands and output gradient) and the format each is quantised to (`dtypes`, in
+        the same order; None when unknown), and hands each operand its plan in
         `quantize_operands`, in the forward pass or the backward one. A plan is a pytree
         of arrays (it is kept for the backward pass). The default plans nothing: one None
         per state.
         """
+        del dtypes
         return [None] * len(states)
+
+    def planned_scale(self, plan: Any) -> Array | None:
+        """The tensor-wise scale an operand with this `plan` will be quantised with, if
+        its state alone decides it (None otherwise, the default).
+
+        The pipeline multiplies the planned scales of a GEMM's two operands into the
+        GEMM's output scale beside them, and puts the plans and those products behind
+        one optimisation barrier: an FP8 cast then depends on nothing computed from its
+        own tensor, and each GEMM's scale is ready with its operands' (on XLA:GPU, in the
+        same kernel)."""
+        del plan
+        return None
 
     def quantize_operands(self, operands: Sequence[Operand]) -> list[tuple[QuantizedArray, NewState]]:
         """Quantises several operands of one call, each as `quantize_operand` would, with
@@ -283,8 +298,24 @@ class _Plan(NamedTuple):
     """Delayed scaling's plan for one operand of a call."""
 
     calibrates: Array | None  # the call's flag (None without `calibrate_first_call`)
-    longest: Array  # the history's max
-    lowest: Array  # and min
+    longest: Array | None  # the history's max (None where the scale is planned)
+    lowest: Array | None  # and min
+    used: Array | None = None  # without `calibrate_first_call`: the scale the call uses
+    inv: Array | None = None  # and its reciprocal, the cast's multiplier
+
+
+def _groups(states) -> list[list[int]]:
+    """Indices of `states` that can be stacked into one array: the same shapes and, inside
+    `jax.shard_map`, the same manual axes (in order of first appearance)."""
+    groups: dict[Any, list[int]] = {}
+    for i, (scale, history) in enumerate(states):
+        key = (jnp.shape(scale), jnp.shape(history), vma(scale), vma(history))
+        groups.setdefault(key, []).append(i)
+    return list(groups.values())
+
+
+def _column(x, i):
+    return lax.index_in_dim(x, i, axis=-1, keepdims=False)
 
 
 class DelayedScaling(AbstractScalingRecipe):
@@ -394,9 +425,11 @@ class DelayedScaling(AbstractScalingRecipe):
         # `1 / ((fp8_max / amax) / 2**margin)` is the same number mathematically, but XLA
         # simplifies it differently in different programs (inside `lax.scan` or not),
         # which would make the state depend by an ulp on how a layer was called.
-        factor = 2.0**self.margin / fp8_max
-        new = lax.mul(amax, np.float32(factor))
-        if finite_amax and factor <= 1:
+        # `fp8_max` may be a tuple: one format per entry of the last axis (several
+        # operands' states stacked), the same float32 multiply for each.
+        factor = np.float32(2.0**self.margin) / np.asarray(fp8_max, np.float64)
+        new = lax.mul(amax, _formats.broadcast(jnp.asarray(factor.astype(np.float32)), jnp.shape(amax)))
+        if finite_amax and np.all(factor <= 1):
             # A finite amax times a factor <= 1 cannot overflow: only zero (an empty
             # history) and underflow remain.
             return _formats.select(lax.gt(new, np.float32(0)), new, scale)
@@ -448,19 +481,45 @@ class DelayedScaling(AbstractScalingRecipe):
     def quantize_operand(self, x, contracting_axes, dtype, *, state=None, key=None, merge=_no_merge):
         return self.quantize_operands([Operand(x, contracting_axes, dtype, state, key, merge)])[0]
 
-    def plan(self, states):
+    def plan(self, states, dtypes=None):
         # Each history's (max, min), which every later step needs, and, with
         # `calibrate_first_call`, whether the call calibrates: one flag for the whole
         # call, true while any of its operands' histories is empty (or corrupt). One
         # conditional then serves both forward operands, and the output gradient's
         # reuses the flag: two conditionals per layer and no per-tensor predicate.
+        # Without `calibrate_first_call`, the state alone decides each scale: with
+        # `dtypes`, the plan holds the scales and their reciprocals.
+        #
+        # The operands' states are stacked and computed on together (the same float32
+        # operations, entry by entry): one reduction over the histories and one scalar
+        # kernel for a call's scales on XLA:GPU, instead of two kernels per operand.
         _require_states(states)
-        bounds = [_history_bounds(history) for _, history in states]
+        if dtypes is not None and len(dtypes) != len(states):
+            raise ValueError(f"`dtypes` must give one format per state ({len(states)}), got {len(dtypes)}.")
+        plans: list[Any] = [None] * len(states)
+        for idx in _groups(states):
+            scales = _formats.stack([states[i][0] for i in idx])
+            histories = _formats.stack([states[i][1] for i in idx], axis=-2)
+            longest, lowest = _history_bounds(histories)
+            used = inv = None
+            if not self.calibrate_first_call and dtypes is not None:
+                past = self._past_amax(histories, longest)
+                past = _formats.select(lax.ge(lowest, np.float32(0)), past, lax.full_like(longest, 0))
+                used = self._checked(past, scales, tuple(_formats.fp8_max(dtypes[i]) for i in idx))
+                inv = _formats.reciprocal(used)
+            for k, i in enumerate(idx):
+                if used is None:
+                    plans[i] = _Plan(None, _column(longest, k), _column(lowest, k))
+                else:  # the bounds served the scale; nothing else reads them
+                    plans[i] = _Plan(None, None, None, _column(used, k), _column(inv, k))
         if not self.calibrate_first_call:
-            return [_Plan(None, *b) for b in bounds]
-        flags = [_calibrates(longest, lowest, scale) for (scale, _), (longest, lowest) in zip(states, bounds)]
+            return plans
+        flags = [_calibrates(p.longest, p.lowest, scale) for (scale, _), p in zip(states, plans)]
         calibrates = functools.reduce(lax.bitwise_or, flags)
-        return [_Plan(calibrates, *b) for b in bounds]
+        return [p._replace(calibrates=calibrates) for p in plans]
+
+    def planned_scale(self, plan):
+        return plan.used if isinstance(plan, _Plan) else None
 
     def quantize_operands(self, operands):
         # True delayed scaling: the values are quantised with the scale the history gives,
@@ -474,7 +533,10 @@ class DelayedScaling(AbstractScalingRecipe):
         operands = _as_operands(operands)
         _require_states([op.state for op in operands])
         if any(op.plan is None for op in operands):
-            operands = [op._replace(plan=p) for op, p in zip(operands, self.plan([op.state for op in operands]))]
+            plans = self.plan([op.state for op in operands], [op.dtype for op in operands])
+            if not self.calibrate_first_call:
+                plans = lax.optimization_barrier(plans)  # see `_fenced` (the pipeline does this itself)
+            operands = [op._replace(plan=p) for op, p in zip(operands, plans)]
         fp8_maxes = [_formats.fp8_max(op.dtype) for op in operands]
         if not self.calibrate_first_call:
             # No conditional, so no corrupt-state error here; a history no fp8ax update
@@ -484,9 +546,12 @@ class DelayedScaling(AbstractScalingRecipe):
             results = []
             for op, fp8_max in zip(operands, fp8_maxes):
                 (scale, history), p = op.state, op.plan
-                past = self._past_amax(history, p.longest)
-                past = _formats.select(lax.ge(p.lowest, np.float32(0)), past, lax.full_like(p.longest, 0))
-                used, inv = _fenced(self._checked(past, scale, fp8_max))
+                if p.used is not None:
+                    used, inv = p.used, p.inv  # planned, and fenced by whoever planned
+                else:  # a plan made without the formats
+                    past = self._past_amax(history, p.longest)
+                    past = _formats.select(lax.ge(p.lowest, np.float32(0)), past, lax.full_like(p.longest, 0))
+                    used, inv = _fenced(self._checked(past, scale, fp8_max))
                 values = _formats.quantize(op.x, used, op.dtype, inv=inv)
                 results.append((QuantizedArray(values, used), self.next_state(used, history, op.merge(_formats.amax(op.x)))))
             return results

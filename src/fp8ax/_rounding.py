@@ -68,9 +68,9 @@ def stochastic_round(x: ArrayLike, dtype, key: PRNGKeyArray) -> Array:
     `(|x| - lo) / (hi - lo)` and `lo` otherwise (with `x`'s sign), so that
     `E[result] == x`. Representable values are returned exactly. Finite magnitudes beyond
     the format's maximum saturate to `+-max` (never inf). NaN stays NaN and `+-inf`
-    stays non-finite, as in `fp8ax`'s deterministic quantisation: the format's inf
-    (E5M2) or NaN (the formats without inf). `jnp.int8` has no NaN or inf: there `+-inf`
-    saturates to `+-127` and NaN becomes 0.
+    stays non-finite: the format's inf (E5M2) or NaN (the formats without inf). (The
+    recipes' quantisation turns every non-finite value into NaN before it rounds.)
+    `jnp.int8` has no NaN or inf: there `+-inf` saturates to `+-127` and NaN becomes 0.
 
     **Method:**
 
