@@ -304,6 +304,11 @@ def test_train_step_compiles_twice_then_never(getkey):
         ([[1.0, 2.0, 3.0]], jnp.ones((3, 2)), "`lhs` must be a floating-point array, got list"),
         (jnp.ones((2, 3)), 2.0, "`rhs` must be a floating-point array, got float"),
         (jnp.ones((2, 3), jnp.float8_e4m3fn), jnp.ones((3, 2)), "`lhs` must be a float16.*float8_e4m3fn"),
+        # A model holding abstract arrays, called outside a trace (`eqx.filter_jit` keeps a
+        # ShapeDtypeStruct static): the error says how to lower on abstract arrays.
+        (jnp.ones((2, 3)), jax.ShapeDtypeStruct((3, 2), jnp.float32),
+         "`rhs` must be a floating-point array, got a jax.ShapeDtypeStruct.*pass the model's arrays as arguments of "
+         "a `jax.jit`"),
     ],
 )
 def test_bad_operands(lhs, rhs, match):

@@ -71,7 +71,9 @@ def h100():
     return mesh, _load("gpu_hlo")
 
 
-def _compile_step(mesh, mode):
+def _step(mesh, mode):
+    """`(jitted step, abstract arguments placed on the described H100)`: the gradient of
+    one FP8 layer's output, the layer in `mode`."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     dg = fp8ax.Fp8DotGeneral.init(mode=mode)
@@ -84,10 +86,35 @@ def _compile_step(mesh, mode):
         d = jax.tree.unflatten(tree, leaves)
         return jax.grad(lambda d, x, w: jnp.sum(d(x, w, DIMS).astype(jnp.float32) ** 2), argnums=(0, 1, 2))(d, x, w)
 
+    return jax.jit(step), ([abstract(a) for a in leaves], x, w)
+
+
+def _compile_step(mesh, mode):
+    step, args = _step(mesh, mode)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "fp8ax: this program is compiled for")
-        compiled = jax.jit(step).lower([abstract(a) for a in leaves], x, w).compile()
+        compiled = step.lower(*args).compile()
     return compiled.as_text()
+
+
+@pytest.mark.parametrize("mode", ["direct", "qdq"])
+def test_gemm_report_reads_a_gpu_program_compiled_here(h100, mode):
+    # `fp8ax.gemm_report` on a step compiled ahead of time for an H100 (this process's
+    # GEMM path: Triton GEMM fusions allowed, the default): it names the GPU, and counts
+    # the Triton GEMM fusions that multiply FP8 operands (direct mode) and those whose
+    # FP8 operands XLA converted to bf16 first (qdq mode on this path).
+    mesh, _ = h100
+    step, args = _step(mesh, mode)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "fp8ax: this program is compiled for")
+        report = fp8ax.gemm_report(step, *args)
+    assert report.backend == "gpu"
+    assert report.compiled_total == 3 and all(g.fp8ax for g in report.compiled), str(report)
+    triton = "--xla_gpu_enable_triton_gemm=false" not in os.environ.get("XLA_FLAGS", "")
+    if mode == "direct" or not triton:
+        assert report.converted_all_fp8, str(report)
+    else:
+        assert report.compiled_fp8 == 0, str(report)
 
 
 @pytest.mark.parametrize("mode", ["direct", "qdq"])

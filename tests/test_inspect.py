@@ -134,3 +134,55 @@ def test_report_on_a_haliax_attention_block(getkey):
         others = [g for g in r.lowered if not g.fp8ax]
         assert len(others) == 2 and not any(g.fp8 for g in others)
         assert all("haliax/nn/attention.py" in g.location for g in others), others
+
+
+# An optimised XLA:GPU module as jax 0.10 prints it (operands by name only, types on the
+# instructions that define them): a Triton GEMM fusion whose dot multiplies two FP8
+# parameters, one whose FP8 parameters are converted to bf16 before the dot (what XLA
+# does with the qdq pattern on that path), a cuBLASLt FP8 GEMM, a bf16 cuBLAS GEMM, and
+# an older print with the operand types written inline.
+_GPU_HLO = """\
+HloModule jit_step
+
+%gemm_fp8 (p0: f8e4m3fn[64,128], p1: f8e4m3fn[32,128]) -> bf16[64,32] {
+  %p0 = f8e4m3fn[64,128]{1,0} parameter(0)
+  %p1 = f8e4m3fn[32,128]{1,0} parameter(1)
+  ROOT %dot.1 = bf16[64,32]{1,0} dot(%p0, %p1), lhs_contracting_dims={1}, rhs_contracting_dims={1}, metadata={op_name="jit(step)/fp8ax.Fp8DotGeneral/dot_general"}
+}
+
+%gemm_upcast (p2: f8e4m3fn[64,128], p3: f8e4m3fn[32,128]) -> bf16[64,32] {
+  %p2 = f8e4m3fn[64,128]{1,0} parameter(0)
+  %c2 = bf16[64,128]{1,0} convert(%p2)
+  %p3 = f8e4m3fn[32,128]{1,0} parameter(1)
+  %c3 = bf16[32,128]{1,0} convert(%p3)
+  ROOT %dot.2 = bf16[64,32]{1,0} dot(%c2, %c3), lhs_contracting_dims={1}, rhs_contracting_dims={1}, metadata={op_name="jit(step)/fp8ax.Fp8DotGeneral/dot_general"}
+}
+
+ENTRY %main (a: f8e4m3fn[64,128], b: f8e4m3fn[32,128], x: bf16[64,128], w: bf16[128,32]) -> bf16[64,32] {
+  %a = f8e4m3fn[64,128]{1,0} parameter(0)
+  %b = f8e4m3fn[32,128]{1,0} parameter(1)
+  %x = bf16[64,128]{1,0} parameter(2)
+  %w = bf16[128,32]{1,0} parameter(3)
+  %s = f32[] constant(1)
+  %f1 = bf16[64,32]{1,0} fusion(%a, %b), kind=kCustom, calls=%gemm_fp8, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %f2 = bf16[64,32]{1,0} fusion(%a, %b), kind=kCustom, calls=%gemm_upcast, backend_config={"fusion_backend_config":{"kind":"__triton_gemm"}}
+  %g1 = (bf16[64,32]{1,0}, s8[1024]{0}) custom-call(%a, %b, %s, %s), custom_call_target="__cublas$lt$matmul$f8", metadata={op_name="jit(step)/fp8ax.Fp8DotGeneral/dot_general"}
+  %g2 = (bf16[64,32]{1,0}, s8[1024]{0}) custom-call(%x, %w), custom_call_target="__cublas$gemm", metadata={op_name="jit(step)/dot_general"}
+  %old = bf16[64,32]{1,0} dot(f8e4m3fn[64,128]{1,0} %a, f8e4m3fn[32,128]{1,0} %b), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  ROOT %sum = bf16[64,32]{1,0} add(%f1, %f2)
+}
+"""
+
+
+def test_compiled_gpu_matmuls_are_read_with_their_operand_types():
+    from fp8ax._inspect import _compiled_gemms
+
+    gemms = _compiled_gemms(_GPU_HLO, ())
+    got = [(g.lhs, g.rhs, g.out, g.fp8, g.fp8ax) for g in gemms]
+    assert got == [
+        ("f8e4m3fn[64,128]", "f8e4m3fn[32,128]", "bf16[64,32]", True, True),  # Triton fusion on FP8 operands
+        ("bf16[64,128]", "bf16[32,128]", "bf16[64,32]", False, True),  # converted to bf16 first: not FP8
+        ("f8e4m3fn[64,128]", "f8e4m3fn[32,128]", "bf16[64,32]", True, True),  # cuBLASLt FP8
+        ("bf16[64,128]", "bf16[128,32]", "bf16[64,32]", False, False),  # bf16 cuBLAS
+        ("f8e4m3fn[64,128]", "f8e4m3fn[32,128]", "bf16[64,32]", True, False),  # types written inline
+    ]

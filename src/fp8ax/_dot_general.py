@@ -291,6 +291,14 @@ def _out_dtype(lhs_shape, lhs_dtype, rhs_shape, rhs_dtype, dims, preferred) -> n
 
 
 def _check_operand(x, argname: str) -> Array:
+    if isinstance(x, jax.ShapeDtypeStruct):
+        raise TypeError(
+            f"`{argname}` must be a floating-point array, got a jax.ShapeDtypeStruct: the layer was called on an "
+            "abstract value outside a trace. `eqx.filter_jit` treats a ShapeDtypeStruct leaf of a model as a static "
+            "constant; to lower a step on abstract arrays (ahead-of-time compilation), pass the model's arrays as "
+            "arguments of a `jax.jit` (`eqx.partition` the model, flatten the arrays, recombine them inside), as "
+            "docs/faq.md shows."
+        )
     if not isinstance(x, jax.Array | np.ndarray | np.generic):
         raise TypeError(f"`{argname}` must be a floating-point array, got {type(x).__name__}.")
     dtype = np.dtype(x.dtype)

@@ -60,10 +60,14 @@ class GemmReport:
 
     - `lowered_fp8` / `lowered_total`: `dot_general`s in the StableHLO that JAX emits, and
       how many of them take FP8 operands (what fp8ax's `"direct"` mode produces).
+    - `backend`: the platform the program was compiled for: the default backend's, or
+      `"gpu"` for a program compiled ahead of time for a GPU topology on a CPU host.
     - `compiled_fp8` / `compiled_total`: matrix multiplications in the program XLA
-      compiled for `backend` (dots and GEMM custom calls), and how many of them run on FP8
-      operands. On a GPU with FP8 support these are cuBLASLt FP8 GEMMs; on CPU XLA
-      upcasts FP8 operands before the dot, so `compiled_fp8` is 0 there.
+      compiled for `backend` (dots, inside fusions too, and GEMM custom calls), and how
+      many of them run on FP8 operands. On a GPU with FP8 support these are cuBLASLt FP8
+      GEMMs and Triton GEMM fusions whose dot multiplies two FP8 values (a fusion that
+      converts its FP8 operands to bf16 first does not count); on CPU XLA upcasts FP8
+      operands before the dot, so `compiled_fp8` is 0 there.
     - `lowered` / `compiled`: those matmuls one by one, each a `Gemm` with its operand
       and result types (`lhs`, `rhs`, `out`), `fp8`, `fp8ax` (issued by an fp8ax layer:
       its forward or one of its gradient GEMMs), JAX's `name` for it, and the `location`
@@ -180,20 +184,6 @@ def _count_lowered(text: str) -> tuple[int, int]:
     return fp8, total
 
 
-def _count_compiled(text: str) -> tuple[int, int]:
-    total = fp8 = 0
-    for m in _HLO_DOT.finditer(text):
-        kind, operands, rest = m.groups()
-        if kind == "custom-call":
-            target = re.search(r'custom_call_target="([^"]+)"', rest)
-            if not target or not re.search(r"gemm|matmul|cublas", target.group(1), re.IGNORECASE):
-                continue
-        total += 1
-        if _FP8_TYPE.search(operands) or (kind == "custom-call" and "f8" in target.group(1)):
-            fp8 += 1
-    return fp8, total
-
-
 # --- the matmuls of a program, with their source ---
 
 _MLIR_TYPE = re.compile(r"tensor<([^>]*)>")
@@ -284,12 +274,30 @@ def _lowered_gemms(text: str) -> tuple[Gemm, ...]:
 
 
 _HLO_DEF = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+)\s*=\s*(.*?)\s+[\w\-]+\(", re.M)
-_HLO_OPERAND = re.compile(r"%([\w.\-]+)")
 _HLO_LAYOUT = re.compile(r"\{[^{}]*\}")
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 
 
+_HLO_OPERAND_TYPED = re.compile(r"([^%]*?)%([\w.\-]+)")
+
+
+def _operand_types(operands: str, types: dict[str, str]) -> list[str]:
+    """The type of each operand in an HLO operand list: written before its name
+    (`f8e4m3fn[4,8]{1,0} %a`, as older XLA prints it) or, for a bare `%a`, the type of
+    the instruction that defines `a`."""
+    out = []
+    for written, name in _HLO_OPERAND_TYPED.findall(operands):
+        written = _HLO_LAYOUT.sub("", written).strip(" ,")
+        out.append(written or types.get(name, ""))
+    return out
+
+
 def _compiled_gemms(text: str, lowered: tuple[Gemm, ...]) -> tuple[Gemm, ...]:
+    """The matmuls of an optimised HLO module: every `dot`, in the entry computation or
+    inside a fusion (XLA:GPU's Triton GEMM fusions hold theirs inside), and every GEMM
+    custom call (cuBLAS). A `dot` is FP8 when both its operands are; XLA prints operands
+    by name only, so their types come from the instructions that define them
+    (instruction names are unique in a module)."""
     types = {name: _HLO_LAYOUT.sub("", t) for name, t in _HLO_DEF.findall(text)}
     where = {}  # op name -> (location, traceback), from the lowered program
     for g in lowered:
@@ -303,13 +311,16 @@ def _compiled_gemms(text: str, lowered: tuple[Gemm, ...]) -> tuple[Gemm, ...]:
                 not target or not re.search(r"gemm|matmul|cublas", target.group(1), re.IGNORECASE)
             ):
                 continue
-            fp8 = bool(_FP8_TYPE.search(operands) or (kind == "custom-call" and "f8" in target.group(1)))
-            names = _HLO_OPERAND.findall(operands)
-            lhs, rhs = ([types.get(n, "") for n in names] + ["", ""])[:2]
+            lhs, rhs = (_operand_types(operands, types) + ["", ""])[:2]
+            if kind == "custom-call":
+                fp8 = "f8" in target.group(1)
+            else:
+                fp8 = bool(_FP8_TYPE.match(lhs) and _FP8_TYPE.match(rhs))
             d = _HLO_DEF.match(line)
             result = _HLO_LAYOUT.sub("", d.group(2)) if d else ""
             if result.startswith("("):  # a GEMM custom call returns (result, workspace)
-                result = result[1:].split(",")[0].strip()
+                first = re.match(r"\(\s*([a-z0-9]+\[[0-9,]*\])", result)
+                result = first.group(1) if first else ""
             op = _OP_NAME.search(rest)
             name = op.group(1) if op else ""
             location, frames = where.get(name, (None, ()))
@@ -351,9 +362,19 @@ def gemm_report(fn: Callable, *args, **kwargs) -> GemmReport:
     lowered = getattr(lowered, "lowered", lowered)  # eqx.filter_jit wraps JAX's `Lowered`
     lf, lt = _count_lowered(lowered.as_text())
     compiled_text = lowered.compile().as_text()
-    cf, ct = _count_compiled(compiled_text)
     low = _lowered_gemms(lowered.as_text(debug_info=True))
+    compiled = _compiled_gemms(compiled_text, low)
     return GemmReport(
-        backend=jax.default_backend(), lowered_fp8=lf, lowered_total=lt, compiled_fp8=cf, compiled_total=ct,
-        lowered=low, compiled=_compiled_gemms(compiled_text, low),
+        backend=_platform(lowered), lowered_fp8=lf, lowered_total=lt, compiled_fp8=sum(g.fp8 for g in compiled),
+        compiled_total=len(compiled), lowered=low, compiled=compiled,
     )
+
+
+def _platform(lowered) -> str:
+    """The platform `lowered` compiles for: the default backend's, or the one its
+    arguments are placed on (a GPU topology, for a program compiled ahead of time on a
+    CPU host)."""
+    try:
+        return str(lowered._lowering.compile_args["backend"].platform)
+    except (AttributeError, KeyError, TypeError):  # another JAX: its internals moved
+        return jax.default_backend()
