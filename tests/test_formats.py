@@ -100,6 +100,25 @@ def test_amax_counts_a_nan_as_inf_in_a_large_tensor(dtype, shape, getkey):
             assert float(fn(x.at[where].set(-jnp.inf).astype(dtype))) == np.inf, where
 
 
+@pytest.mark.parametrize("axes", [(1,), (0, 2), (2,)])
+def test_amax_over_some_axes(axes, getkey):
+    # Per row (CurrentScaling's row-wise scales): NumPy's max over the same axes, kept as
+    # size-1 dims with `keepdims`, and inf for the slices that hold a NaN or an inf,
+    # including in a large array (where XLA:CPU's plain max skips NaNs).
+    x = jax.random.normal(getkey(), (64, 48, 40), jnp.float32)
+    x = x.at[3, 5, 7].set(jnp.nan).at[10, 20, 30].set(-jnp.inf)
+    xn = np.abs(np.asarray(x))
+    bad = np.isnan(xn).any(axis=axes, keepdims=True) | np.isinf(xn).any(axis=axes, keepdims=True)
+    want = np.where(bad, np.inf, np.nanmax(np.where(np.isinf(xn), 0, xn), axis=axes, keepdims=True))
+    got = jax.jit(lambda x: _formats.amax(x, axes, keepdims=True))(x)
+    np.testing.assert_array_equal(np.asarray(got), want)
+    assert jax.jit(lambda x: _formats.amax(x, axes))(x).shape == np.squeeze(want, axes).shape
+    # The form other platforms lower (whose max propagates NaN there; XLA:CPU's may skip
+    # it, so only the finite slices are compared here).
+    plain = np.asarray(_formats._amax_plain(x, axes=axes, keepdims=True))
+    np.testing.assert_array_equal(plain[~bad], want[~bad])
+
+
 @pytest.mark.parametrize("shape", [(), (5,), (0, 3), (3, 0), (1, 7), (2, 3, 4)])
 def test_amax_of_small_and_empty_tensors(shape, getkey):
     # Both reduction strategies against NumPy (an empty tensor has amax -inf, as `max`

@@ -417,3 +417,23 @@ def test_argument_errors():
         _mx.mx_dequantize(v.astype(jnp.int32), s, 1, 4)
     with pytest.raises(ValueError, match="`block_size`"):
         _mx.mx_dequantize(v, s, 1, -1)
+
+
+def test_gradient_of_a_full_contraction():
+    # A vector dot product: the output, and so its gradient, is 0-d. Each backward GEMM
+    # multiplies the gradient (one element: one block) by the other operand in MX blocks
+    # along its only axis; with a gradient of 1 (exact in E5M2) the input gradients are
+    # those operands quantised, exactly.
+    import fp8ax
+
+    k = jax.random.split(jax.random.key(3), 2)
+    x, w = jax.random.normal(k[0], (96,)), jax.random.normal(k[1], (96,))
+    recipe = fp8ax.MXScaling()
+    dg = fp8ax.Fp8DotGeneral.init(recipe)
+    dims = (((0,), (0,)), ((), ()))
+    gx, gw = jax.grad(lambda x, w: dg(x, w, dims), argnums=(0, 1))(x, w)
+    np.testing.assert_array_equal(np.asarray(gx), np.asarray(fp8ax.quantize(w, recipe, axis=0).dequantize()))
+    np.testing.assert_array_equal(np.asarray(gw), np.asarray(fp8ax.quantize(x, recipe, axis=0).dequantize()))
+    # A gradient that is not a power of two is quantised too: 0.3 in E5M2 is 0.3125.
+    gx = jax.grad(lambda x: 0.3 * dg(x, w, dims))(x)
+    np.testing.assert_array_equal(np.asarray(gx), np.float32(0.3125) * np.asarray(fp8ax.quantize(w, recipe, axis=0).dequantize()))

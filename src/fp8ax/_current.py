@@ -24,7 +24,7 @@ from jaxtyping import Array
 
 from . import _formats
 from ._int8 import int8_quantize
-from ._mx import MX_ELEMENT_TYPES, mx_quantize
+from ._mx import MX_ELEMENT_TYPES, mx_dequantize, mx_quantize
 from ._quantized import QuantizedArray, ScaleLayout
 from ._recipes import AbstractScalingRecipe, _no_merge
 from ._rounding import stochastic_round
@@ -61,22 +61,46 @@ def _check_bool(value, name):
     return value
 
 
+# The smallest normal float32. XLA flushes subnormal float32 results to zero (on CPU and
+# GPUs), so a scale below it would be 0.
+_TINY = np.float32(2.0**-126)
+
+
 def _amax_scale(amax, bound: float, power_of_two: bool):
-    """Dequantisation scale `amax / bound`; 1 where that is not a positive finite number."""
-    scale = amax * jnp.float32(1.0 / bound)
+    """Dequantisation scale `amax / bound`, at least the smallest normal float32 (a
+    smaller quotient would be flushed to zero: for an amax below `bound * 2**-126`, about
+    5.3e-36 for E4M3, the scale is `2**-126` and the values stay below `bound`); 1 where
+    the amax is not positive and finite (an all-zero tensor, or one holding a NaN or
+    inf)."""
+    scale = jnp.maximum(amax * jnp.float32(1.0 / bound), _TINY)
     if power_of_two:
         # Round up to a power of two: the largest value still fits, and the scale itself
         # is exact in any format.
-        scale = jnp.exp2(jnp.ceil(jnp.log2(scale)))
-    ok = jnp.isfinite(scale) & (scale > 0)
+        scale = _pow2_at_least(scale)
+    ok = jnp.isfinite(amax) & (amax > 0) & jnp.isfinite(scale) & (scale > 0)
     return jnp.where(ok, scale, jnp.float32(1.0))
+
+
+def _pow2_at_least(x):
+    """The smallest power of two >= `x`, for positive normal float32 `x`, built from its
+    bits: `x` itself if its mantissa is 0, else the next exponent with a zero mantissa.
+    (`exp2(ceil(log2(x)))` is not exact: XLA's `log2` and `exp2` are approximations, and
+    gave scales like `2**-48 * 0.99999988`.)"""
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    mantissa = lax.bitwise_and(bits, np.uint32(0x7FFFFF))
+    # Setting every mantissa bit and adding one carries into the exponent: (e + 1) << 23.
+    up = lax.add(lax.bitwise_or(bits, np.uint32(0x7FFFFF)), np.uint32(1))
+    return lax.bitcast_convert_type(jnp.where(mantissa == 0, bits, up), jnp.float32)
 
 
 class CurrentScaling(AbstractStatelessRecipe):
     """Current (just-in-time) scaling: each call scales a tensor by its own amax.
 
-    `scale = amax / fp8_max` (optionally rounded up to a power of two), computed from the
-    tensor being quantised, so nothing is kept between steps and nothing can be stale.
+    `scale = amax / fp8_max` (optionally rounded up to a power of two, exactly), computed
+    from the tensor being quantised, so nothing is kept between steps and nothing can be
+    stale. The scale is at least `2**-126`, the smallest normal float32 (a smaller one
+    would be flushed to zero), and 1 for a tensor (or row) that is all zero or holds a
+    NaN or an inf.
     Granularity `"tensor"`: one scale per tensor. `"row"`: one scale per row of the
     non-contracting dimensions (per input row for the activations, per output column for
     the kernel, torchao's rowwise), the GEMM's result is rescaled by the outer product of
@@ -126,8 +150,9 @@ class CurrentScaling(AbstractStatelessRecipe):
     def quantize(self, x, contracting_axes, dtype, key=None) -> QuantizedArray:
         x = jnp.asarray(x)
         axes = tuple(range(x.ndim)) if self.granularity == "tensor" else tuple(contracting_axes)
-        amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True).astype(jnp.float32) if x.size else jnp.ones(
-            (1,) * x.ndim, jnp.float32)
+        # The project's amax: not finite where a NaN or inf is reduced, whatever the size
+        # (XLA:CPU's max of a large array skips NaNs), so such a tensor gets scale 1.
+        amax = _formats.amax(x, axes, keepdims=True) if x.size else jnp.ones((1,) * x.ndim, jnp.float32)
         scale = _amax_scale(amax, _formats.fp8_max(dtype), self.power_of_two)
         if self.granularity == "tensor":
             scale = jnp.reshape(scale, ())
@@ -228,6 +253,13 @@ class MXScaling(AbstractStatelessRecipe):
         del key  # stochastic rounding is not offered for MX formats
         x = jnp.asarray(x)
         element = self.fwd_element if np.dtype(dtype) == self.fwd_dtype else self.grad_element
+        if x.ndim == 0:
+            # A 0-d operand (the output gradient of a full contraction, such as a vector
+            # dot product): one block of one element, whose power-of-two scale is then
+            # a tensor-wise float32 scale (MXINT8's implicit 2**-6 folded in).
+            values, scales = mx_quantize(x[None], 0, element, self.block_size, self.scale_rule)
+            scale = mx_dequantize(jnp.ones((1,), values.dtype), scales, 0, self.block_size, jnp.float32)
+            return QuantizedArray(values[0], scale[0])
         # Blocks run along the (last) contracting axis.
         axis = max(contracting_axes) % x.ndim if contracting_axes else x.ndim - 1
         values, scales = mx_quantize(x, axis, element, self.block_size, self.scale_rule)
