@@ -153,8 +153,9 @@ def count_gemm_kernels(hlo_text: str) -> dict[str, int]:
     - ``dot``: plain ``dot(`` instructions (what a CPU runs; on a GPU, dots inside Triton
       or cuDNN fusions).
     """
-    counts = dict(cublaslt_f8=0, cublaslt=0, cublas_gemm=0, other_gemm_custom_call=0, triton_gemm=0, cudnn_fusion=0,
-                  dot=0)
+    counts = dict(
+        cublaslt_f8=0, cublaslt=0, cublas_gemm=0, other_gemm_custom_call=0, triton_gemm=0, cudnn_fusion=0, dot=0
+    )
     for line in hlo_text.splitlines():
         if "custom-call(" in line:
             m = _TARGET_RE.search(line)
@@ -196,8 +197,14 @@ def fp8_check(variant: str, hlo_text: str, expected: int, backend: str) -> dict[
         status = f"n/a on {backend}"
     else:
         status = "PASS" if found == expected else "FAIL"
-    return {"target": f"{FP8_GEMM_TARGET} or a GEMM fusion on FP8 operands", "expected": expected, "found": found,
-            "status": status, "gemm_kernels": kernels, "gemm_paths": program["gemm_paths"]}
+    return {
+        "target": f"{FP8_GEMM_TARGET} or a GEMM fusion on FP8 operands",
+        "expected": expected,
+        "found": found,
+        "status": status,
+        "gemm_kernels": kernels,
+        "gemm_paths": program["gemm_paths"],
+    }
 
 
 def report_dict(report) -> dict[str, Any]:
@@ -225,8 +232,9 @@ def _stats(times: list[float]) -> dict[str, Any]:
     return out
 
 
-def time_interleaved(calls: dict[str, Callable[[], Any]], *, reps: int, warmup: int, inner: int,
-                     target_s: float, max_inner: int = 200) -> dict[str, dict[str, Any]]:
+def time_interleaved(
+    calls: dict[str, Callable[[], Any]], *, reps: int, warmup: int, inner: int, target_s: float, max_inner: int = 200
+) -> dict[str, dict[str, Any]]:
     """Times each ``calls[v]()`` (which returns something to block on), interleaved.
 
     After ``warmup`` blocked calls each, one more blocked call estimates the time of a call;
@@ -251,7 +259,7 @@ def time_interleaved(calls: dict[str, Callable[[], Any]], *, reps: int, warmup: 
     names = list(n_inner)
     times = {v: [] for v in names}
     for r in range(reps if names else 0):
-        for v in names[r % len(names):] + names[: r % len(names)]:
+        for v in names[r % len(names) :] + names[: r % len(names)]:
             out = None
             t0 = time.perf_counter()
             for _ in range(n_inner[v]):
@@ -345,8 +353,15 @@ def run_gemms(args, backend: str, log) -> list[dict[str, Any]]:
         for pass_name, n_gemms in PASSES.items():
             flops = 2.0 * shape.m * shape.n * shape.k * n_gemms
             entry = {
-                "shape": shape.name, "pass": pass_name, "m": shape.m, "k": shape.k, "n": shape.n,
-                "note": shape.note, "gemms": n_gemms, "flops": flops, "variants": {},
+                "shape": shape.name,
+                "pass": pass_name,
+                "m": shape.m,
+                "k": shape.k,
+                "n": shape.n,
+                "note": shape.note,
+                "gemms": n_gemms,
+                "flops": flops,
+                "variants": {},
             }
             calls = {}
             for v in VARIANTS:
@@ -369,14 +384,19 @@ def run_gemms(args, backend: str, log) -> list[dict[str, Any]]:
                 except Exception as e:  # keep going: one broken variant should not hide the others
                     info["error"] = f"{type(e).__name__}: {e}"
                     log(f"  {shape.name} {pass_name} {v}: ERROR {info['error']}")
-            timed = time_interleaved(calls, reps=args.reps, warmup=args.warmup, inner=args.inner,
-                                     target_s=args.sample_s)
+            timed = time_interleaved(
+                calls, reps=args.reps, warmup=args.warmup, inner=args.inner, target_s=args.sample_s
+            )
             for v, t in timed.items():
                 entry["variants"][v].update(t)
             _add_rates(entry["variants"], flops)
             entries.append(entry)
-            log(f"  {shape.name} ({shape.m}x{shape.k} -> {shape.n}) {pass_name}: "
-                + ", ".join(f"{v} {i['median_s'] * 1e3:.3f} ms" for v, i in entry["variants"].items() if "median_s" in i))
+            log(
+                f"  {shape.name} ({shape.m}x{shape.k} -> {shape.n}) {pass_name}: "
+                + ", ".join(
+                    f"{v} {i['median_s'] * 1e3:.3f} ms" for v, i in entry["variants"].items() if "median_s" in i
+                )
+            )
             del calls
     return entries
 
@@ -507,8 +527,14 @@ def run_mlp(args, backend: str, log) -> dict[str, Any]:
     _add_rates(variants, flops)
     log("  mlp step: " + ", ".join(f"{v} {i['median_s'] * 1e3:.3f} ms" for v, i in variants.items() if "median_s" in i))
     return {
-        "tokens": args.tokens, "hidden": args.hidden, "mlp": args.mlp, "optimizer": args.optimizer, "lr": args.lr,
-        "gemms": n_gemms, "flops": flops, "variants": variants,
+        "tokens": args.tokens,
+        "hidden": args.hidden,
+        "mlp": args.mlp,
+        "optimizer": args.optimizer,
+        "lr": args.lr,
+        "gemms": n_gemms,
+        "flops": flops,
+        "variants": variants,
     }
 
 
@@ -529,34 +555,54 @@ def _fmt_time(info: dict[str, Any]) -> tuple[str, str, str, str]:
     if "median_s" not in info:
         return "-", "-", "-", "-"
     sp = info.get("speedup_vs_bf16")
-    return (f"{info['median_s'] * 1e3:.3f}", f"{info['p25_s'] * 1e3:.3f}-{info['p75_s'] * 1e3:.3f}",
-            f"{info['tflops']:.1f}" if info["tflops"] >= 0.1 else f"{info['tflops']:.3g}",
-            f"{sp:.2f}" if sp else "-")
+    return (
+        f"{info['median_s'] * 1e3:.3f}",
+        f"{info['p25_s'] * 1e3:.3f}-{info['p75_s'] * 1e3:.3f}",
+        f"{info['tflops']:.1f}" if info["tflops"] >= 0.1 else f"{info['tflops']:.3g}",
+        f"{sp:.2f}" if sp else "-",
+    )
 
 
 def print_tables(payload: dict[str, Any], out=sys.stdout) -> None:
-    cols = ("ms (median)", "ms (p25-p75)", "TFLOP/s", "x bf16", "FP8 GEMMs found/expected",
-            "gemm_report lowered, compiled FP8/total", "FP8 check")
+    cols = (
+        "ms (median)",
+        "ms (p25-p75)",
+        "TFLOP/s",
+        "x bf16",
+        "FP8 GEMMs found/expected",
+        "gemm_report lowered, compiled FP8/total",
+        "FP8 check",
+    )
     if payload["gemm"]:
         print("\n### Single GEMMs\n", file=out)
         print("| shape | M x K -> N | pass | variant | " + " | ".join(cols) + " |", file=out)
         print("|---|---|---|---|" + "---:|" * 4 + "---|---|---|", file=out)
         for e in payload["gemm"]:
             for v, info in e["variants"].items():
-                print(f"| {e['shape']} | {e['m']} x {e['k']} -> {e['n']} | {e['pass']} | {v} | "
-                      + " | ".join(_fmt_time(info) + _fmt_check(info)) + " |", file=out)
+                print(
+                    f"| {e['shape']} | {e['m']} x {e['k']} -> {e['n']} | {e['pass']} | {v} | "
+                    + " | ".join(_fmt_time(info) + _fmt_check(info))
+                    + " |",
+                    file=out,
+                )
     if payload["mlp"]:
         m = payload["mlp"]
-        print(f"\n### MLP block train step (tokens {m['tokens']}, hidden {m['hidden']} -> mlp {m['mlp']} -> hidden, "
-              f"bf16, {m['optimizer']})\n", file=out)
+        print(
+            f"\n### MLP block train step (tokens {m['tokens']}, hidden {m['hidden']} -> mlp {m['mlp']} -> hidden, "
+            f"bf16, {m['optimizer']})\n",
+            file=out,
+        )
         print("| variant | " + " | ".join(cols) + " |", file=out)
         print("|---|" + "---:|" * 4 + "---|---|---|", file=out)
         for v, info in m["variants"].items():
             print(f"| {v} | " + " | ".join(_fmt_time(info) + _fmt_check(info)) + " |", file=out)
-    print(f"\nFP8 GEMMs: custom calls with custom_call_target=\"{FP8_GEMM_TARGET}\" in the optimised HLO, "
-          "against the GEMMs the function should run in FP8 (1 forward, 3 forward+backward, 5 in the MLP "
-          "step: 3 per layer less the first layer's input gradient, which nothing needs).\ngemm_report: fp8ax.gemm_report's lowered_fp8/lowered_total, "
-          "compiled_fp8/compiled_total. TFLOP/s counts 2*M*N*K per GEMM.", file=out)
+    print(
+        f'\nFP8 GEMMs: custom calls with custom_call_target="{FP8_GEMM_TARGET}" in the optimised HLO, '
+        "against the GEMMs the function should run in FP8 (1 forward, 3 forward+backward, 5 in the MLP "
+        "step: 3 per layer less the first layer's input gradient, which nothing needs).\ngemm_report: fp8ax.gemm_report's lowered_fp8/lowered_total, "
+        "compiled_fp8/compiled_total. TFLOP/s counts 2*M*N*K per GEMM.",
+        file=out,
+    )
 
 
 def _all_infos(payload):
@@ -601,13 +647,17 @@ def _run(cmd: list[str], cwd=None):
 def machine_info() -> dict[str, Any]:
     dirty = _run(["git", "status", "--porcelain", "--", "src"], cwd=HERE.parent)
     jax_dists = sorted(
-        {f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions()
-         if (d.metadata["Name"] or "").lower().startswith(("jax", "nvidia-cublas", "nvidia-cudnn"))}
+        {
+            f"{d.metadata['Name']}=={d.version}"
+            for d in importlib.metadata.distributions()
+            if (d.metadata["Name"] or "").lower().startswith(("jax", "nvidia-cublas", "nvidia-cudnn"))
+        }
     )
     nvidia_smi = None
     if shutil.which("nvidia-smi"):
-        nvidia_smi = _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
-                           "--format=csv,noheader"])
+        nvidia_smi = _run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm", "--format=csv,noheader"]
+        )
     return {
         "device_kind": jax.devices()[0].device_kind,
         "devices": [repr(d) for d in jax.devices()],
@@ -641,23 +691,40 @@ def _slug(text: str) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dry", action="store_true",
-                   help="tiny shapes (sizes / 64), 1 warm-up, 2 reps, even on a GPU (automatic without a GPU)")
-    p.add_argument("--out", default=None, help="JSON output path (default bench/results/gpu_<device kind>.json; "
-                   "dry pass bench/results/gpu_dry_<backend>.json); '' for none")
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--dry",
+        action="store_true",
+        help="tiny shapes (sizes / 64), 1 warm-up, 2 reps, even on a GPU (automatic without a GPU)",
+    )
+    p.add_argument(
+        "--out",
+        default=None,
+        help="JSON output path (default bench/results/gpu_<device kind>.json; "
+        "dry pass bench/results/gpu_dry_<backend>.json); '' for none",
+    )
     p.add_argument("--reps", type=int, default=None, help="timed samples per variant (default 30; dry 2)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls per variant first (default 3; dry 1)")
-    p.add_argument("--inner", type=int, default=None,
-                   help="GEMM calls per timed sample, blocked once; 0 = enough for --sample-ms (default 0; dry 1)")
+    p.add_argument(
+        "--inner",
+        type=int,
+        default=None,
+        help="GEMM calls per timed sample, blocked once; 0 = enough for --sample-ms (default 0; dry 1)",
+    )
     p.add_argument("--sample-ms", type=float, default=20.0, help="target length of one GEMM sample with --inner 0")
-    p.add_argument("--shapes", default=None,
-                   help=f"comma-separated subset of {', '.join(SHAPE_NAMES)}, or 'all' (default)")
+    p.add_argument(
+        "--shapes", default=None, help=f"comma-separated subset of {', '.join(SHAPE_NAMES)}, or 'all' (default)"
+    )
     p.add_argument("--skip-gemm", action="store_true", help="skip the single-GEMM benchmark")
     p.add_argument("--skip-mlp", action="store_true", help="skip the MLP-block train step")
-    p.add_argument("--tokens", type=int, default=None, help=f"MLP block: tokens per step (default {MLP_DEFAULTS['tokens']})")
-    p.add_argument("--hidden", type=int, default=None, help=f"MLP block: hidden size (default {MLP_DEFAULTS['hidden']})")
+    p.add_argument(
+        "--tokens", type=int, default=None, help=f"MLP block: tokens per step (default {MLP_DEFAULTS['tokens']})"
+    )
+    p.add_argument(
+        "--hidden", type=int, default=None, help=f"MLP block: hidden size (default {MLP_DEFAULTS['hidden']})"
+    )
     p.add_argument("--mlp", type=int, default=None, help=f"MLP block: MLP size (default {MLP_DEFAULTS['mlp']})")
     p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="MLP block optimiser (default adam)")
     p.add_argument("--lr", type=float, default=1e-4)
@@ -704,13 +771,18 @@ def main(argv=None) -> int:
 
     t_start = time.perf_counter()
     if args.no_gpu:
-        print(f"No GPU found (backend: {args.backend}): running a small dry pass of the same code on "
-              f"{args.backend.upper()}; no timings are meaningful", flush=True)
+        print(
+            f"No GPU found (backend: {args.backend}): running a small dry pass of the same code on "
+            f"{args.backend.upper()}; no timings are meaningful",
+            flush=True,
+        )
     elif args.dry:
         print("--dry: running a small dry pass on the GPU (sizes / 64); the timings mean little", flush=True)
     device_kind = jax.devices()[0].device_kind
-    log(f"fp8ax GPU benchmark on {device_kind} (backend {args.backend}){' [dry pass]' if args.dry else ''}: "
-        f"reps {args.reps}, warmup {args.warmup}, inner {args.inner or 'auto'}")
+    log(
+        f"fp8ax GPU benchmark on {device_kind} (backend {args.backend}){' [dry pass]' if args.dry else ''}: "
+        f"reps {args.reps}, warmup {args.warmup}, inner {args.inner or 'auto'}"
+    )
 
     gemm = [] if args.skip_gemm else run_gemms(args, args.backend, log)
     mlp = None if args.skip_mlp else run_mlp(args, args.backend, log)
@@ -720,31 +792,37 @@ def main(argv=None) -> int:
         "meaningful_timings": not args.dry,
         "machine": machine_info(),
         "config": {
-            "reps": args.reps, "warmup": args.warmup, "inner": args.inner, "sample_ms": args.sample_ms,
-            "shapes": args.shapes, "dry_divisor": DRY_DIVISOR if args.dry else 1,
-            "skip_gemm": args.skip_gemm, "skip_mlp": args.skip_mlp, "seed": args.seed,
+            "reps": args.reps,
+            "warmup": args.warmup,
+            "inner": args.inner,
+            "sample_ms": args.sample_ms,
+            "shapes": args.shapes,
+            "dry_divisor": DRY_DIVISOR if args.dry else 1,
+            "skip_gemm": args.skip_gemm,
+            "skip_mlp": args.skip_mlp,
+            "seed": args.seed,
             "variants": {
                 "bf16": "lax.dot_general on bf16 operands (bf16 result, float32 accumulation)",
                 "fp8ax_direct": 'fp8ax.Fp8DotGeneral.init(mode="direct") / Fp8Config(mode="direct")',
                 "fp8ax_qdq": 'fp8ax.Fp8DotGeneral.init(mode="qdq") / Fp8Config(mode="qdq")',
                 "haliax_fp8": "haliax.quantization.Fp8DotGeneralOp.init() / "
-                              "quantize_linear_layers(QuantizationConfig(fp8=True))",
+                "quantize_linear_layers(QuantizationConfig(fp8=True))",
             },
             "gemm": "y = x @ w.T, x (m, k) bf16, w (n, k) bf16; fwd: the layer call; fwd_bwd: "
-                    "eqx.filter_value_and_grad of sum(y * g) w.r.t. (layer, x), 3 GEMMs; jax.jit of the flat layer "
-                    "arrays; FP8 state fixed (fresh) across calls",
+            "eqx.filter_value_and_grad of sum(y * g) w.r.t. (layer, x), 3 GEMMs; jax.jit of the flat layer "
+            "arrays; FP8 state fixed (fresh) across calls",
             "mlp_block": "hnn.Linear(embed->mlp, no bias) -> gelu -> hnn.Linear(mlp->embed, no bias), bf16 params "
-                         "(fp8ax.cast_floating), MSE loss; eqx.filter_jit(filter_grad -> partition_for_grad_overwrite "
-                         "-> optax update -> apply_updates), state threaded through the steps",
+            "(fp8ax.cast_floating), MSE loss; eqx.filter_jit(filter_grad -> partition_for_grad_overwrite "
+            "-> optax update -> apply_updates), state threaded through the steps",
             "timing": "after warmup blocked calls, reps samples per variant, interleaved (order rotates per round); "
-                      "a sample runs `inner` calls back to back and blocks once (jax.block_until_ready); times per call; "
-                      "median and quartiles",
+            "a sample runs `inner` calls back to back and blocks once (jax.block_until_ready); times per call; "
+            "median and quartiles",
             "flops": "2*m*n*k per GEMM; fwd 1 GEMM, fwd_bwd 3, MLP step 5 (3 per layer, less the input gradient of the "
-                     "first layer, which is not computed)",
+            "first layer, which is not computed)",
             "fp8_check": f"FP8 GEMMs in jitted.lower(...).compile().as_text(): custom calls with "
-                         f"custom_call_target=\"{FP8_GEMM_TARGET}\", or Triton/cuDNN GEMM fusions whose dot "
-                         "multiplies FP8 values (bench/gpu_hlo.py), expected 1 (fwd), 3 (fwd_bwd), 3 per FP8 layer "
-                         "less the first layer's input gradient (MLP step: 5); applies only on a GPU",
+            f'custom_call_target="{FP8_GEMM_TARGET}", or Triton/cuDNN GEMM fusions whose dot '
+            "multiplies FP8 values (bench/gpu_hlo.py), expected 1 (fwd), 3 (fwd_bwd), 3 per FP8 layer "
+            "less the first layer's input gradient (MLP step: 5); applies only on a GPU",
         },
         "fp8_gemm_target": FP8_GEMM_TARGET,
         "gemm": gemm,
@@ -757,10 +835,13 @@ def main(argv=None) -> int:
         print(f"\n**{'CPU' if args.no_gpu else 'GPU'} dry pass: tiny shapes, timings are meaningless.**", flush=True)
     print_tables(payload)
     s = payload["fp8_check"]
-    print(f"\nFP8 cuBLASLt check (custom_call_target=\"{FP8_GEMM_TARGET}\"): {s['status']}"
-          + (f" ({s['passed']} functions passed)" if s["status"] == "PASS" else "")
-          + (f"; failed: {', '.join(s['failed'])}" if s["failed"] else "")
-          + (f"; errors: {', '.join(s['errors'])}" if s["errors"] else ""), flush=True)
+    print(
+        f'\nFP8 cuBLASLt check (custom_call_target="{FP8_GEMM_TARGET}"): {s["status"]}'
+        + (f" ({s['passed']} functions passed)" if s["status"] == "PASS" else "")
+        + (f"; failed: {', '.join(s['failed'])}" if s["failed"] else "")
+        + (f"; errors: {', '.join(s['errors'])}" if s["errors"] else ""),
+        flush=True,
+    )
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)

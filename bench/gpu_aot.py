@@ -101,7 +101,6 @@ SIZES = {"tokens": 8192, "batch": 4, "embed": 4096, "mlp": 14336, "heads": 32, "
 
 def topology_mesh():
     """A one-device mesh on a described H100, or raises with the reason."""
-    import jax
     from jax.experimental import topologies
 
     topo = topologies.get_topology_desc(platform="cuda", target_config=H100_TARGET, topology="1x1x1")
@@ -137,10 +136,14 @@ def _models(sizes):
             ks = jax.random.split(key, 6)
             lin = lambda i, o, k: hnn.Linear.init(In=i, Out=o, key=k, use_bias=False)  # noqa: E731
             return Block(
-                hnn.LayerNorm.init(Embed, use_bias=False), hnn.LayerNorm.init(Embed, use_bias=False),
-                lin(Embed, (Heads, HeadDim), ks[0]), lin(Embed, (Heads, HeadDim), ks[1]),
-                lin(Embed, (Heads, HeadDim), ks[2]), lin((Heads, HeadDim), Embed, ks[3]),
-                lin(Embed, Mlp, ks[4]), lin(Mlp, Embed, ks[5]),
+                hnn.LayerNorm.init(Embed, use_bias=False),
+                hnn.LayerNorm.init(Embed, use_bias=False),
+                lin(Embed, (Heads, HeadDim), ks[0]),
+                lin(Embed, (Heads, HeadDim), ks[1]),
+                lin(Embed, (Heads, HeadDim), ks[2]),
+                lin((Heads, HeadDim), Embed, ks[3]),
+                lin(Embed, Mlp, ks[4]),
+                lin(Mlp, Embed, ks[5]),
             )
 
         def __call__(self, x):
@@ -167,10 +170,10 @@ def _models(sizes):
 
 
 def _build(variant: str, base):
+    import gpu
     import jax.numpy as jnp
 
     import fp8ax
-    import gpu
 
     if variant in ("bf16", "haliax_fp8"):
         return gpu.build_mlp(variant, base)
@@ -181,13 +184,13 @@ def _build(variant: str, base):
 
 def compile_one(step_name: str, variant: str, sizes, mesh, dump: Path | None, repeat: int = 1) -> dict[str, Any]:
     import equinox as eqx
+    import gpu
+    import gpu_hlo
     import haliax as hax
     import jax
     import optax
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    import gpu
-    import gpu_hlo
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     init, axes, dtype = _models(sizes)[step_name]
     model = eqx.filter_eval_shape(lambda key: _build(variant, init(key)), jax.random.PRNGKey(0))
@@ -243,10 +246,16 @@ def worker(args) -> None:
         for variant in args.variants.split(","):
             info = compile_one(step_name, variant, sizes, mesh, Path(args.dump) if args.dump else None, args.repeat)
             out[f"{step_name}/{variant}"] = info
-            print(f"  {os.environ.get('FP8AX_AOT_PATH')} {step_name}/{variant}: "
-                  + (info["error"] if "error" in info else
-                     f"{info['fp8_gemms']}/{info['gemms']} FP8 GEMMs, {info['kernels']} kernels, "
-                     f"compile {info['compile_s']:.1f} s"), flush=True)
+            print(
+                f"  {os.environ.get('FP8AX_AOT_PATH')} {step_name}/{variant}: "
+                + (
+                    info["error"]
+                    if "error" in info
+                    else f"{info['fp8_gemms']}/{info['gemms']} FP8 GEMMs, {info['kernels']} kernels, "
+                    f"compile {info['compile_s']:.1f} s"
+                ),
+                flush=True,
+            )
     out["_sizes"] = sizes
     Path(args.worker_out).write_text(json.dumps(out, indent=1))
 
@@ -266,8 +275,11 @@ def _versions() -> dict[str, str]:
 
 
 def table(results: dict[str, Any]) -> str:
-    rows = ["| step | variant | path | FP8 GEMMs | GEMM out | kernels | non-GEMM GB | waiting casts | cond. | "
-            "callbacks | compile s (XLA) | roofline ms |", "|" + "---|" * 12]
+    rows = [
+        "| step | variant | path | FP8 GEMMs | GEMM out | kernels | non-GEMM GB | waiting casts | cond. | "
+        "callbacks | compile s (XLA) | roofline ms |",
+        "|" + "---|" * 12,
+    ]
     for path, per in results.items():
         for key, i in per.items():
             if key.startswith("_"):
@@ -279,7 +291,8 @@ def table(results: dict[str, Any]) -> str:
             rows.append(
                 f"| {step} | {variant} | {path} | {i['fp8_gemms']}/{i['gemms']} | {','.join(i['gemm_out_dtypes'])} | "
                 f"{i['kernels']} | {i['non_gemm_bytes'] / 1e9:.2f} | {len(i['waiting_casts'])} | {i['conditionals']} | "
-                f"{i['host_callbacks']} | {i['compile_s']:.2f} ({i['xla_compile_s']:.2f}) | {i['roofline_ms']:.2f} |")
+                f"{i['host_callbacks']} | {i['compile_s']:.2f} ({i['xla_compile_s']:.2f}) | {i['roofline_ms']:.2f} |"
+            )
     return "\n".join(rows)
 
 
@@ -298,11 +311,21 @@ def main() -> int:
         worker(args)
         return 0
 
-    probe = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, %r); import gpu_aot; "
-                            "gpu_aot.topology_mesh()" % str(HERE)], env=_env(""), capture_output=True, text=True)
+    probe = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"import sys; sys.path.insert(0, {str(HERE)!r}); import gpu_aot; gpu_aot.topology_mesh()",
+        ],
+        env=_env(""),
+        capture_output=True,
+        text=True,
+    )
     if probe.returncode != 0:
-        print("bench/gpu_aot.py needs the CUDA plugin for a deviceless compile (pip install 'jax[cuda12]' for "
-              "the installed jax): " + (probe.stderr.strip().splitlines() or ["?"])[-1])
+        print(
+            "bench/gpu_aot.py needs the CUDA plugin for a deviceless compile (pip install 'jax[cuda12]' for "
+            "the installed jax): " + (probe.stderr.strip().splitlines() or ["?"])[-1]
+        )
         return 2
     results: dict[str, Any] = {}
     for path in args.paths.split(","):
@@ -316,11 +339,20 @@ def main() -> int:
         tmp.unlink()
     print(table(results))
     out = Path(args.out) if args.out else RESULTS / ("gpu_aot_h100_quick.json" if args.quick else "gpu_aot_h100.json")
-    out.write_text(json.dumps({
-        "benchmark": "bench/gpu_aot.py", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-        "target": "H100 SXM 80GB (deviceless compile)", "roofline": H100, "host": platform.node(),
-        "versions": _versions(), "results": results,
-    }, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "benchmark": "bench/gpu_aot.py",
+                "date": datetime.datetime.now(datetime.UTC).isoformat(),
+                "target": "H100 SXM 80GB (deviceless compile)",
+                "roofline": H100,
+                "host": platform.node(),
+                "versions": _versions(),
+                "results": results,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {out}")
     return 0
 

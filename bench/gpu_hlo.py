@@ -39,11 +39,41 @@ import re
 from typing import Any
 
 FP8_TYPES = ("f8e4m3fn", "f8e5m2", "f8e4m3", "f8e4m3fnuz", "f8e5m2fnuz", "f8e4m3b11fnuz", "f8e8m0fnu")
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-          "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "token": 0, "s4": 0.5, "u4": 0.5,
-          **{t: 1 for t in FP8_TYPES}, "f4e2m1fn": 0.5}
-NOT_KERNELS = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
-               "replica-id", "opt-barrier", "add-dependency", "domain"}
+_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+    "token": 0,
+    "s4": 0.5,
+    "u4": 0.5,
+    **{t: 1 for t in FP8_TYPES},
+    "f4e2m1fn": 0.5,
+}
+NOT_KERNELS = {
+    "parameter",
+    "constant",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "after-all",
+    "partition-id",
+    "replica-id",
+    "opt-barrier",
+    "add-dependency",
+    "domain",
+}
 GEMM_FUSION_KINDS = ("__triton_gemm", "__triton_nested_gemm_fusion", "__cudnn$fusion", "__triton_scaled_dot")
 FP8_CUBLAS = "__cublas$lt$matmul$f8"
 
@@ -110,9 +140,9 @@ def _split_type(rest: str) -> tuple[str, str]:
             depth += c == "("
             depth -= c == ")"
             if depth == 0:
-                return rest[: i + 1], rest[i + 1:].lstrip()
+                return rest[: i + 1], rest[i + 1 :].lstrip()
     i = rest.index(" ")
-    return rest[:i], rest[i + 1:]
+    return rest[:i], rest[i + 1 :]
 
 
 def _parse_instr(line: str) -> Instr | None:
@@ -131,8 +161,8 @@ def _parse_instr(line: str) -> Instr | None:
         depth -= rest[i] == ")"
         if depth == 0:
             break
-    operands = _NAME_RE.findall(rest[start + 1: i])
-    return Instr(name, type_text, opcode, operands, rest[i + 1:])
+    operands = _NAME_RE.findall(rest[start + 1 : i])
+    return Instr(name, type_text, opcode, operands, rest[i + 1 :])
 
 
 def parse(hlo_text: str) -> tuple[str, dict[str, list[Instr]]]:
@@ -227,8 +257,11 @@ def kernels(hlo_text: str) -> tuple[list[Kernel], dict[str, Any]]:
             continue
         target, fkind = ins.target, ins.fusion_kind
         dots = _dots(comps, ins) if ins.opcode == "fusion" else []
-        is_gemm = (ins.opcode == "custom-call" and target is not None and "cublas" in target) or (
-            ins.opcode == "fusion" and fkind in GEMM_FUSION_KINDS) or ins.opcode == "dot"
+        is_gemm = (
+            (ins.opcode == "custom-call" and target is not None and "cublas" in target)
+            or (ins.opcode == "fusion" and fkind in GEMM_FUSION_KINDS)
+            or ins.opcode == "dot"
+        )
         path = ""
         flops = 0.0
         fp8 = False
@@ -248,19 +281,30 @@ def kernels(hlo_text: str) -> tuple[list[Kernel], dict[str, Any]]:
                     fp8 = fp8 or (len(types) == 2 and all(t in FP8_TYPES for t in types))
                     flops += _dot_flops(dot, table)
         reduces = ins.opcode == "reduce" or any(
-            i.opcode == "reduce" for c in _reachable(comps, ins.calls) for i in comps[c])
+            i.opcode == "reduce" for c in _reachable(comps, ins.calls) for i in comps[c]
+        )
         kind = "gemm" if is_gemm else ("reduce" if reduces else "other")
         byte_count = nbytes(ins.type if not (is_gemm and ins.opcode == "custom-call") else _first(ins.type))
         byte_count += sum(nbytes(entry[o].type) for o in ins.operands if o in entry)
         out_types = ins.arrays()
-        out.append(Kernel(
-            name=ins.name, opcode=ins.opcode, kind=kind, fp8_gemm=fp8,
-            out_dtype=out_types[0][0] if out_types else "", path=path, bytes=byte_count, flops=flops,
-            fp8_out=any(d in FP8_TYPES for d, _ in out_types), operands=ins.operands,
-        ))
+        out.append(
+            Kernel(
+                name=ins.name,
+                opcode=ins.opcode,
+                kind=kind,
+                fp8_gemm=fp8,
+                out_dtype=out_types[0][0] if out_types else "",
+                path=path,
+                bytes=byte_count,
+                flops=flops,
+                fp8_out=any(d in FP8_TYPES for d, _ in out_types),
+                operands=ins.operands,
+            )
+        )
     conditionals = sum(i.opcode == "conditional" for c in comps.values() for i in c)
     callbacks = sum(
-        i.opcode == "custom-call" and i.target is not None and "callback" in i.target for c in comps.values() for i in c)
+        i.opcode == "custom-call" and i.target is not None and "callback" in i.target for c in comps.values() for i in c
+    )
     return out, {"conditionals": conditionals, "host_callbacks": callbacks, "entry": entry}
 
 
@@ -318,8 +362,10 @@ def waiting_casts(ks: list[Kernel], entry: dict[str, Instr]) -> list[str]:
             continue
         seen: set[str] = set()
         ancestors = [p for o in k.operands for p in producers(o, seen, size)]
-        if any(a.kind == "reduce" and through_scalar and a.name != k.name and sources(a, size) & mine
-               for a, through_scalar in ancestors):
+        if any(
+            a.kind == "reduce" and through_scalar and a.name != k.name and sources(a, size) & mine
+            for a, through_scalar in ancestors
+        ):
             waiting.append(k.name)
     return waiting
 

@@ -42,8 +42,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import equinox as eqx
 import haliax as hax
@@ -74,7 +75,7 @@ class Mlp(eqx.Module):
     down: hnn.Linear
 
     @staticmethod
-    def init(Embed: hax.Axis, Hidden: hax.Axis, *, key) -> "Mlp":
+    def init(Embed: hax.Axis, Hidden: hax.Axis, *, key) -> Mlp:
         k_up, k_down = jax.random.split(key)
         return Mlp(
             up=hnn.Linear.init(In=Embed, Out=Hidden, key=k_up),
@@ -261,7 +262,7 @@ def hlo_opcode(line: str) -> str:
             depth += ch == "("
             depth -= ch == ")"
             if depth == 0:
-                rhs = rhs[i + 1:]
+                rhs = rhs[i + 1 :]
                 break
     else:
         rhs = rhs.split(" ", 1)[1] if " " in rhs else rhs
@@ -306,7 +307,9 @@ def machine_info() -> dict[str, Any]:
         # Uncommitted changes to the library itself (the benchmark measures the working tree).
         dirty = subprocess.run(
             ["git", "-C", str(HERE.parent), "status", "--porcelain", "--", "src"],
-            capture_output=True, text=True, check=True,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout.split("\n")
         dirty = [line.strip() for line in dirty if line.strip()]
     except Exception:
@@ -320,8 +323,8 @@ def machine_info() -> dict[str, Any]:
                     break
     except OSError:
         pass
-    import haliax
     import equinox
+    import haliax
 
     return {
         "devices": [repr(d) for d in jax.devices()],
@@ -339,7 +342,7 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "cpu_model": cpu,
         "cpu_count": os.cpu_count(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
 
 
@@ -403,7 +406,7 @@ def run_dtype(args, dtype_name: str, log) -> dict[str, Any]:
     lower_s = {v: [] for v in variants}
     compile_s = {v: [] for v in variants}
     for rep in range(args.compile_reps + 1):
-        for v in variants[rep % len(variants):] + variants[: rep % len(variants)]:
+        for v in variants[rep % len(variants) :] + variants[: rep % len(variants)]:
             model, opt_state = states[v]
             # Drop JAX's in-memory tracing/lowering/executable caches, so every rep
             # traces, lowers and compiles from scratch.
@@ -454,7 +457,7 @@ def run_dtype(args, dtype_name: str, log) -> dict[str, Any]:
     times = {v: [] for v in variants}
     t_start = time.perf_counter()
     for r in range(args.rounds):
-        order = variants[r % len(variants):] + variants[: r % len(variants)]
+        order = variants[r % len(variants) :] + variants[: r % len(variants)]
         for v in order:
             t0 = time.perf_counter()
             states[v] = jax.block_until_ready(steps[v](*states[v], x, y))
@@ -484,9 +487,7 @@ def run_dtype(args, dtype_name: str, log) -> dict[str, Any]:
                 "xla_compile_ratio": info[v]["compile_s_median"] / p["compile_s_median"],
                 "lower_ratio": info[v]["lower_s_median"] / p["lower_s_median"],
                 "stablehlo_ops_added_per_layer": (info[v]["stablehlo_ops"] - p["stablehlo_ops"]) / n,
-                "stablehlo_ops_inlined_added_per_layer": (
-                    info[v]["stablehlo_ops_inlined"] - p["stablehlo_ops_inlined"]
-                )
+                "stablehlo_ops_inlined_added_per_layer": (info[v]["stablehlo_ops_inlined"] - p["stablehlo_ops_inlined"])
                 / n,
                 "hlo_entry_instructions_added_per_layer": (
                     info[v]["hlo_instructions_entry"] - p["hlo_instructions_entry"]
@@ -497,7 +498,9 @@ def run_dtype(args, dtype_name: str, log) -> dict[str, Any]:
                     info[v]["hlo_instructions_total"] - p["hlo_instructions_total"]
                 )
                 / n,
-                "op_kinds_added_per_layer_inlined": _diff_counts(info[v]["op_counts_inlined"], p["op_counts_inlined"], n),
+                "op_kinds_added_per_layer_inlined": _diff_counts(
+                    info[v]["op_counts_inlined"], p["op_counts_inlined"], n
+                ),
                 "op_kinds_added_per_layer_textual": _diff_counts(info[v]["op_counts"], p["op_counts"], n),
             }
     log(f"  [{dtype_name}] {args.rounds} rounds took {rounds_wall:.1f}s")
@@ -582,7 +585,9 @@ def print_table(results: dict, out=sys.stdout):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--rounds", type=int, default=None, help="timed rounds, each runs every variant once (default 50)")
     p.add_argument("--batch", type=int, default=None, help="batch size (default 256)")
     p.add_argument("--embed", type=int, default=None, help="Embed axis size (default 1024)")
@@ -597,8 +602,12 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="tiny smoke config: embed 64, hidden 128, batch 16, rounds 3")
-    p.add_argument("--out", default=None, help=f"JSON output path (default {DEFAULT_OUT.relative_to(HERE.parent)}; "
-                   f"with --quick {QUICK_OUT.relative_to(HERE.parent)}); '' for none")
+    p.add_argument(
+        "--out",
+        default=None,
+        help=f"JSON output path (default {DEFAULT_OUT.relative_to(HERE.parent)}; "
+        f"with --quick {QUICK_OUT.relative_to(HERE.parent)}); '' for none",
+    )
     p.add_argument("--dump-dir", default=None, help="also write each step's StableHLO and optimised HLO here")
     args = p.parse_args(argv)
 

@@ -159,8 +159,10 @@ def run_model(name, model, x, y, rounds, compile_reps):
     loss_fn, step = make_step(opt)
     models = variants(model, loss_fn, x, y)
     # The optimiser sees the trainable arrays only, not the FP8 state (nor eqx.nn.Lambda's functions).
-    states = {k: opt.init(eqx.filter(fp8ax.partition_for_grad_overwrite(m)[1], eqx.is_inexact_array))
-              for k, m in models.items()}
+    states = {
+        k: opt.init(eqx.filter(fp8ax.partition_for_grad_overwrite(m)[1], eqx.is_inexact_array))
+        for k, m in models.items()
+    }
     out = {}
     for k, m in models.items():
         times = []
@@ -176,7 +178,7 @@ def run_model(name, model, x, y, rounds, compile_reps):
     samples = {k: [] for k in models}
     order = list(models)
     for r in range(rounds):
-        for k in order[r % len(order):] + order[: r % len(order)]:
+        for k in order[r % len(order) :] + order[: r % len(order)]:
             t = time.perf_counter()
             models[k], states[k] = jax.block_until_ready(step(models[k], states[k], x, y))
             samples[k].append(time.perf_counter() - t)
@@ -190,8 +192,10 @@ def run_model(name, model, x, y, rounds, compile_reps):
     print(f"\n{name}: {x.shape[0]} examples per step, {rounds} rounds")
     print(f"  {'variant':10s} {'step ms':>9s} {'x plain':>8s} {'compile s':>10s} {'x plain':>8s}")
     for k, v in out.items():
-        print(f"  {k:10s} {1e3 * v['step_s']:9.1f} {v.get('step_ratio_vs_plain', 1.0):8.2f}"
-              f" {v['compile_s']:10.2f} {v.get('compile_ratio_vs_plain', 1.0):8.2f}")
+        print(
+            f"  {k:10s} {1e3 * v['step_s']:9.1f} {v.get('step_ratio_vs_plain', 1.0):8.2f}"
+            f" {v['compile_s']:10.2f} {v.get('compile_ratio_vs_plain', 1.0):8.2f}"
+        )
     return out
 
 
@@ -205,12 +209,18 @@ def main(argv=None):
     args = parser.parse_args(argv)
     key = jax.random.PRNGKey(0)
     k1, k2, k3, k4 = jax.random.split(key, 4)
-    results = {"meta": {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "backend": jax.default_backend(), "devices": str(jax.devices()), "jax": jax.__version__,
-        "fp8ax": fp8ax.__version__, "python": sys.version.split()[0], "machine": platform.processor() or platform.machine(),
-        "quick": args.quick,
-    }}
+    results = {
+        "meta": {
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "backend": jax.default_backend(),
+            "devices": str(jax.devices()),
+            "jax": jax.__version__,
+            "fp8ax": fp8ax.__version__,
+            "python": sys.version.split()[0],
+            "machine": platform.processor() or platform.machine(),
+            "quick": args.quick,
+        }
+    }
     if args.quick:
         rounds, reps = 2, 1
         cnn, cb = CNN(k1, width=32), 4

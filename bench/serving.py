@@ -92,15 +92,20 @@ def main():
     args = parser.parse_args()
     if args.quick:
         args.embed, args.hidden, args.batch, args.rounds, args.warmup = 64, 256, 16, 3, 1
-    out = args.out if args.out is not None else str(
-        HERE / "results" / ("serving_cpu_quick.json" if args.quick else "serving_cpu.json"))
+    out = (
+        args.out
+        if args.out is not None
+        else str(HERE / "results" / ("serving_cpu_quick.json" if args.quick else "serving_cpu.json"))
+    )
 
     load_before = _loadavg()
     models, x = build(args.embed, args.hidden, args.batch)
     sizes = {name: nbytes(m) for name, m in models.items()}
     n_weights = 2 * args.embed * args.hidden
-    print(f"Haliax MLP {args.embed} -> {args.hidden} -> {args.embed} ({n_weights:,} weights), batch {args.batch}, "
-          f"{jax.default_backend()}")
+    print(
+        f"Haliax MLP {args.embed} -> {args.hidden} -> {args.embed} ({n_weights:,} weights), batch {args.batch}, "
+        f"{jax.default_backend()}"
+    )
     print(f"\n{'variant':<24} {'checkpoint bytes':>17} {'x bf16':>7} {'x float32':>9}")
     for name, n in sizes.items():
         print(f"{name:<24} {n:>17,} {n / sizes['bf16']:>7.3f} {n / sizes['float32']:>9.3f}")
@@ -112,7 +117,7 @@ def main():
             jax.block_until_ready(forward(models[name], x))
     times = {name: [] for name in timed}
     for r in range(args.rounds):
-        order = timed[r % len(timed):] + timed[: r % len(timed)]
+        order = timed[r % len(timed) :] + timed[: r % len(timed)]
         for name in order:
             t0 = time.perf_counter()
             jax.block_until_ready(forward(models[name], x))

@@ -35,7 +35,12 @@ from jax.sharding import Mesh  # noqa: E402
 
 import fp8ax  # noqa: E402
 
-Batch, Embed, Mlp, Layers = hax.Axis("Batch", 256), hax.Axis("Embed", 1024), hax.Axis("Mlp", 4096), hax.Axis("Layers", 3)
+Batch, Embed, Mlp, Layers = (
+    hax.Axis("Batch", 256),
+    hax.Axis("Embed", 1024),
+    hax.Axis("Mlp", 4096),
+    hax.Axis("Layers", 3),
+)
 BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "f32": 4, "s32": 4, "u32": 4}
 LAYOUTS = {
     "data_parallel": ({"Batch": "data"}, {}),
@@ -75,8 +80,9 @@ def _shapes(text):
 
 def collectives(hlo):
     out = {}
-    for m in re.finditer(r"= (\(.*?\)|\S+) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(",
-                         hlo):
+    for m in re.finditer(
+        r"= (\(.*?\)|\S+) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\(", hlo
+    ):
         kind = m.group(2)
         entry = out.setdefault(kind, {"count": 0, "bytes": 0, "scalar_count": 0})
         for dt, shape in _shapes(m.group(1)):
@@ -103,8 +109,11 @@ def partitioned_weight_gathers(name):
         shape = tuple(int(d) for d in m.group(2).split(",") if d)
         if len(shape) >= 2:  # weights, not biases
             gathers.append((m.group(1), shape))
-    return {"dtypes": sorted({d for d, _ in gathers}), "count": len(gathers),
-            "bytes_per_device": sum(BYTES[d] * int(np.prod(s)) for d, s in gathers)}
+    return {
+        "dtypes": sorted({d for d, _ in gathers}),
+        "count": len(gathers),
+        "bytes_per_device": sum(BYTES[d] * int(np.prod(s)) for d, s in gathers),
+    }
 
 
 def main(out_path):
@@ -113,8 +122,12 @@ def main(out_path):
     plain = hax.nn.Stacked.init(Layers, Block)(key=jax.random.split(key, Layers.size))
     plain = fp8ax.cast_floating(plain, jnp.bfloat16)
     x = hax.random.normal(jax.random.PRNGKey(1), (Batch, Embed)).astype(jnp.bfloat16)
-    results = {"device": str(jax.devices()[0].device_kind), "model": "3 x (1024->4096->1024) bf16, batch 256",
-               "layouts": {}, "fp8_all_gather": {}}
+    results = {
+        "device": str(jax.devices()[0].device_kind),
+        "model": "3 x (1024->4096->1024) bf16, batch 256",
+        "layouts": {},
+        "fp8_all_gather": {},
+    }
     for name, (compute, params) in LAYOUTS.items():
         row = {}
         for kind, model in (("plain", plain), ("fp8", fp8ax.fp8_linear_layers(plain))):
@@ -122,8 +135,11 @@ def main(out_path):
         results["layouts"][name] = row
         print(name)
         for kind in ("plain", "fp8"):
-            print(f"  {kind:5s}", {k: (v["count"], v["scalar_count"], v["bytes"]) for k, v in row[kind].items()},
-                  "(count, of which scalars, bytes)")
+            print(
+                f"  {kind:5s}",
+                {k: (v["count"], v["scalar_count"], v["bytes"]) for k, v in row[kind].items()},
+                "(count, of which scalars, bytes)",
+            )
     compute, params = LAYOUTS["fsdp"]
     for mode in ("qdq", "direct"):
         for flag in (False, True):
@@ -131,7 +147,9 @@ def main(out_path):
             model = fp8ax.fp8_linear_layers(plain, fp8ax.Fp8Config(mode=mode, fp8_all_gather=flag))
             compile_step(model, x, compute, params, name)
             results["fp8_all_gather"][f"{mode}, fp8_all_gather={flag}"] = partitioned_weight_gathers(name)
-    print("FSDP weight all-gathers after SPMD partitioning (per device; those inside the scan over layers run once per layer):")
+    print(
+        "FSDP weight all-gathers after SPMD partitioning (per device; those inside the scan over layers run once per layer):"
+    )
     for k, v in results["fp8_all_gather"].items():
         print(f"  {k:30s} {v}")
     pathlib.Path(out_path).parent.mkdir(parents=True, exist_ok=True)

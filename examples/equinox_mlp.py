@@ -24,6 +24,8 @@ def loss_fn(model, batch):
     x, y = batch  # x: (batch, 32), y: (batch, 8)
     pred = jax.vmap(model)(x)  # the model sees one example, shape (32,), at a time
     return jnp.mean((pred - y) ** 2)
+
+
 # --8<-- [end:loss]
 
 

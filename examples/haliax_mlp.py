@@ -1,8 +1,8 @@
 """The README's TL;DR on a Haliax MLP: convert the linear layers to FP8, then train.
 
-    python examples/haliax_mlp.py             # 100 steps, a few seconds on a CPU
-    python examples/haliax_mlp.py --steps 500
-    python examples/haliax_mlp.py --microbatches 4   # gradient accumulation over 4 microbatches
+python examples/haliax_mlp.py             # 100 steps, a few seconds on a CPU
+python examples/haliax_mlp.py --steps 500
+python examples/haliax_mlp.py --microbatches 4   # gradient accumulation over 4 microbatches
 """
 
 import argparse
@@ -40,6 +40,8 @@ class MLP(eqx.Module):
 def loss_fn(model, batch):
     x, y = batch
     return hax.mean((model(x) - y) ** 2).scalar()
+
+
 # --8<-- [end:model]
 
 
@@ -53,6 +55,8 @@ def step(model, opt_state, batch):
     overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)
     updates, opt_state = opt.update(grads, opt_state, params=model)
     return fp8ax.apply_updates(model, updates, overwrite), opt_state
+
+
 # --8<-- [end:step]
 
 
@@ -65,6 +69,8 @@ def microbatch_step(model, opt_state, x, y, k):
     overwrite, grads = fp8ax.partition_for_grad_overwrite(grad_fn(model, x, y))
     updates, opt_state = opt.update(grads, opt_state, params=model)
     return fp8ax.apply_updates(model, updates, overwrite), opt_state
+
+
 # --8<-- [end:microbatch_step]
 
 

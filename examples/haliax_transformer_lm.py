@@ -290,7 +290,9 @@ def print_stats(stats):
         rows.setdefault((layer, tensor), {})[name] = value
     print("\nFP8 scaling on a held-out batch (fp8ax.scaling_stats):")
     width = max(len(layer) for layer, _ in rows)
-    print(f"  {'layer':<{width}}  tensor  {'scale':>9}  {'amax':>9}  {'hist max':>9}  {'saturated':>9}  {'underflow':>9}")
+    print(
+        f"  {'layer':<{width}}  tensor  {'scale':>9}  {'amax':>9}  {'hist max':>9}  {'saturated':>9}  {'underflow':>9}"
+    )
     for (layer, tensor), v in rows.items():
         cells = [f"{v[n]:9.3g}" if n in v else f"{'':>9}" for n in ("scale", "amax", "amax_history_max")]
         cells += [f"{v[n]:9.2%}" if n in v else f"{'':>9}" for n in ("saturation", "underflow")]
@@ -312,7 +314,8 @@ if __name__ == "__main__":
         "--plot", default="lm_loss.png", help="where to save the loss curves (default lm_loss.png); '' for no plot"
     )
     parser.add_argument(
-        "--amax-plot", default="lm_amax.png",
+        "--amax-plot",
+        default="lm_amax.png",
         help="where to save the amax histories of the FP8 layers (default lm_amax.png); '' for no plot",
     )
     args = parser.parse_args()

@@ -44,6 +44,8 @@ class ResidualMLP(eqx.Module):
     def __call__(self, x):  # x: (Batch, Embed)
         h = hax.dot(x, self.w_up, axis=Embed, dot_general=self.up_dot)  # (Batch, Hidden)
         return x + hax.dot(hax.nn.relu(h), self.w_down, axis=Hidden, dot_general=self.down_dot)
+
+
 # --8<-- [end:module]
 
 

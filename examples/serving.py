@@ -67,7 +67,11 @@ def main(steps=300, batch=32, seq=64, embed=64, heads=4, layers=2, lr=3e-3, seed
     train_ids, val_ids = ids[:split], ids[split:]
     Vocab, Batch, Pos = hax.Axis("vocab", len(chars)), hax.Axis("batch", batch), hax.Axis("position", seq)
     Embed, Heads = hax.Axis("embed", embed), hax.Axis("heads", heads)
-    HeadSize, Mlp, Layers = hax.Axis("head_size", embed // heads), hax.Axis("mlp", 4 * embed), hax.Axis("layers", layers)
+    HeadSize, Mlp, Layers = (
+        hax.Axis("head_size", embed // heads),
+        hax.Axis("mlp", 4 * embed),
+        hax.Axis("layers", layers),
+    )
 
     k_model, k_data, k_val, k_gen = jax.random.split(jax.random.PRNGKey(seed), 4)
     init = CharTransformer.init(Vocab, Pos, Embed, Heads, HeadSize, Mlp, Layers, key=k_model)
@@ -83,8 +87,10 @@ def main(steps=300, batch=32, seq=64, embed=64, heads=4, layers=2, lr=3e-3, seed
     opt_states = {name: opt.init(fp8ax.partition_for_grad_overwrite(m)[1]) for name, m in models.items()}
     get_batch = jax.jit(windows, static_argnums=(2, 3))
     starts = jax.random.randint(k_data, (steps, batch), 0, len(train_ids) - seq - 1)
-    print(f"fp8ax {fp8ax.__version__}, JAX {jax.__version__} on {jax.default_backend()}: {steps} training steps, "
-          f"{layers} layers, embed {embed}, context {seq}, batch {batch}")
+    print(
+        f"fp8ax {fp8ax.__version__}, JAX {jax.__version__} on {jax.default_backend()}: {steps} training steps, "
+        f"{layers} layers, embed {embed}, context {seq}, batch {batch}"
+    )
     t0 = time.perf_counter()
     for i in range(steps):
         inputs, targets = get_batch(train_ids, starts[i], Batch, Pos)
@@ -144,5 +150,12 @@ if __name__ == "__main__":
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--generate", type=int, default=120, help="characters to generate (default 120)")
     args = parser.parse_args()
-    main(steps=args.steps, batch=args.batch, seq=args.seq, embed=args.embed, layers=args.layers, seed=args.seed,
-         generate_chars=args.generate)
+    main(
+        steps=args.steps,
+        batch=args.batch,
+        seq=args.seq,
+        embed=args.embed,
+        layers=args.layers,
+        seed=args.seed,
+        generate_chars=args.generate,
+    )

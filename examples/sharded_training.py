@@ -167,8 +167,10 @@ def main(steps: int = 30):
     every = max(1, steps // 10)
     for i in list(range(0, steps, every)) + ([steps - 1] if (steps - 1) % every else []):
         print(f"{i + 1:>5}  {single[i]:>10.4f}  {sharded[i]:>10.4f}")
-    print(f"step 1 loss difference: {abs(single[0] - sharded[0]):.1e}; largest relative difference over the "
-          f"run: {max(abs(a - b) / a for a, b in zip(single, sharded)):.1%}")
+    print(
+        f"step 1 loss difference: {abs(single[0] - sharded[0]):.1e}; largest relative difference over the "
+        f"run: {max(abs(a - b) / a for a, b in zip(single, sharded)):.1%}"
+    )
 
     state = model.blocks.stacked.up.dot_general.lhs
     print("weight sharding of blocks.up:", model.blocks.stacked.up.weight.array.sharding.spec)

@@ -24,12 +24,12 @@ import haliax as hax
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(__file__))
-from helpers import Deep, In, Layers, Mid, Out  # noqa: E402
-
 import fp8ax  # noqa: E402
+from helpers import Deep, In, Layers, Mid, Out  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -89,6 +89,7 @@ def _train_sharded(model, x, y, compute, params, name="step"):
     with hax.partitioning.set_mesh(_mesh()):
         model = hax.shard(model, params)
         x, y = hax.shard(x, compute), hax.shard(y, compute)
+
         def fn(model, x, y):
             return _step(model, x, y)
 
@@ -113,7 +114,9 @@ def _compare(single, sharded):
     s1, p1 = fp8ax.partition_for_grad_overwrite(m1)
     s2, p2 = fp8ax.partition_for_grad_overwrite(m2)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(p2), jax.tree.leaves(p1), strict=True):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+        np.testing.assert_allclose(
+            np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path)
+        )
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(s2), jax.tree.leaves(s1), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, err_msg=jax.tree_util.keystr(path))
 
@@ -121,8 +124,9 @@ def _compare(single, sharded):
 def _collectives(hlo: str) -> list[tuple[str, str]]:
     out = []
     for line in hlo.splitlines():
-        m = re.search(r"= (\(.*?\)|\S+) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\(",
-                      line)
+        m = re.search(
+            r"= (\(.*?\)|\S+) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(-start)?\(", line
+        )
         if m:
             out.append((m.group(2), m.group(1)))
     return out
@@ -189,8 +193,12 @@ def case_fp8_all_gather():
     # dtype each weight all-gather moves.
     x, y = _data(2)
     compute, params = LAYOUTS["fsdp"]
-    weight_shapes = {(Layers.size, Mid.size, In.size), (Layers.size, In.size, Mid.size), (Mid.size, In.size),
-                     (In.size, Mid.size)}
+    weight_shapes = {
+        (Layers.size, Mid.size, In.size),
+        (Layers.size, In.size, Mid.size),
+        (Mid.size, In.size),
+        (In.size, Mid.size),
+    }
     report = {}
     losses = {}
     for mode in ("qdq", "direct"):
@@ -200,8 +208,11 @@ def case_fp8_all_gather():
             model = fp8ax.cast_floating(_model(cfg), jnp.bfloat16)
             xb, yb = x.astype(jnp.bfloat16), y.astype(jnp.bfloat16)
             losses[name], _, _ = _train_sharded(model, xb, yb, compute, params, name=name)
-            gathers = [(dt, shape) for dt, shape in _gathers_after_partitioning(name) if shape[-2:] in
-                       {s[-2:] for s in weight_shapes}]
+            gathers = [
+                (dt, shape)
+                for dt, shape in _gathers_after_partitioning(name)
+                if shape[-2:] in {s[-2:] for s in weight_shapes}
+            ]
             assert gathers, name
             dtypes = {dt for dt, _ in gathers}
             nbytes = sum(_BYTES[dt] * int(np.prod(shape)) for dt, shape in gathers)
@@ -249,8 +260,9 @@ def _shard_map_grads(check_vma: bool, reduce, trained: bool = False):
         grads = eqx.filter_grad(_eqx_loss)(eqx.combine(p, static), x, y)
         return eqx.filter(reduce(grads), eqx.is_array)
 
-    fn = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P(),
-                               check_vma=check_vma))
+    fn = jax.jit(
+        jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data"), P("data")), out_specs=P(), check_vma=check_vma)
+    )
     put = lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
     got = fn(put(params, P()), put(x, P("data")), put(y, P("data")))
     return model, x, y, eqx.combine(got, static)
@@ -300,7 +312,11 @@ def case_shard_map_pmean_or_psum_of_state_is_wrong():
     assert amax(ours) == 30.0
     assert amax(mean) < 30.0  # the mean of the shard maxima
     np.testing.assert_allclose(scale(summed), 8 * scale(ours), rtol=1e-6)  # 8 devices, the same weight
-    return {"global_amax": amax(ours), "pmean_amax": amax(mean), "psum_rhs_scale_over_pmax": scale(summed) / scale(ours)}
+    return {
+        "global_amax": amax(ours),
+        "pmean_amax": amax(mean),
+        "psum_rhs_scale_over_pmax": scale(summed) / scale(ours),
+    }
 
 
 def case_eager_shard_map_no_check_vma_refuses():

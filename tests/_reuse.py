@@ -34,7 +34,6 @@ first use's output), so the reference sees exactly the values the step saw.
 import dataclasses
 import functools
 import json
-import os
 import sys
 import traceback
 import warnings
@@ -47,7 +46,8 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jax import lax
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import fp8ax
 
@@ -324,7 +324,9 @@ NESTED = [
 for _outer, _inner, _error in NESTED:
     _o, _i = BOUNDARIES[_outer], BOUNDARIES[_inner]
     BOUNDARIES[f"{_outer}/{_inner}"] = Boundary(
-        (lambda o, i: lambda f: o.wrap(i.wrap(f)))(_o, _i), parts=_o.parts * _i.parts, error=_error,
+        (lambda o, i: lambda f: o.wrap(i.wrap(f)))(_o, _i),
+        parts=_o.parts * _i.parts,
+        error=_error,
         # A scan inside shard_map halves each device's rows, not the batch.
         interleaved=_outer.startswith("jax.shard_map") and _i.parts > 1,
     )
@@ -558,6 +560,7 @@ def _single_use_grad(entry_name: str):
 def _split(uses, b: Boundary):
     """Each `(x, g)` use as the `b.parts` uses boundary `b` makes of it: the halves of the
     batch, or (`b.interleaved`) each device's first rows and its second rows."""
+
     def parts(a):
         if b.interleaved:
             local = a.reshape(len(jax.devices()), b.parts, -1, *a.shape[1:])
@@ -692,7 +695,9 @@ def run_all(entry_name: str, boundary: str, pattern_name: str) -> None:
             try:
                 run_case(entry_name, boundary, pattern_name, trained, nan)
             except AssertionError as e:
-                raise AssertionError(f"{'trained' if trained else 'fresh'} model{', NaN input' if nan else ''}: {e}") from e
+                raise AssertionError(
+                    f"{'trained' if trained else 'fresh'} model{', NaN input' if nan else ''}: {e}"
+                ) from e
             if BOUNDARIES[boundary].error is not None:
                 return  # the error does not depend on the data
 

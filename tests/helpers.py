@@ -141,7 +141,11 @@ class _Walk:
             name = eqn.primitive.name
             # A call's body is walked; `reduce` (a variadic reduction) also carries a
             # `jaxpr`, its reducer, but is an ordinary primitive here.
-            sub = None if name == "reduce" else next((eqn.params[k] for k in ("jaxpr", "call_jaxpr", "call") if k in eqn.params), None)
+            sub = (
+                None
+                if name == "reduce"
+                else next((eqn.params[k] for k in ("jaxpr", "call_jaxpr", "call") if k in eqn.params), None)
+            )
             if name == "cond":
                 index = int(vals[0])
                 # Not `lax.platform_dependent`, nor an `eqx.error_if` check (a branch that
@@ -208,4 +212,5 @@ def with_settings_of(template, model):
     into the freshly converted `template` gives (static settings are not saved)."""
     is_dg = lambda x: isinstance(x, fp8ax.Fp8DotGeneral)  # noqa: E731
     return jax.tree.map(
-        lambda t, m: dataclasses.replace(m, settings=t.settings) if is_dg(m) else m, template, model, is_leaf=is_dg)
+        lambda t, m: dataclasses.replace(m, settings=t.settings) if is_dg(m) else m, template, model, is_leaf=is_dg
+    )

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import HaliaxMLP, In, Out
 
 import fp8ax
+from helpers import HaliaxMLP, In, Out
 
 N, K = 32, 4
 Batch = hax.Axis("Batch", N)
@@ -72,7 +72,8 @@ def test_accumulate_gradients_equals_full_batch(setup):
     _assert_step_equal(acc, full)
     # Applying both gives the same model: parameters to f32 rounding, state bit for bit.
     step = lambda g: fp8ax.apply_updates(  # noqa: E731
-        model, jax.tree.map(lambda u: -0.1 * u, fp8ax.partition_for_grad_overwrite(g)[1]),
+        model,
+        jax.tree.map(lambda u: -0.1 * u, fp8ax.partition_for_grad_overwrite(g)[1]),
         fp8ax.partition_for_grad_overwrite(g)[0],
     )
     _assert_step_equal(step(acc), step(full))
@@ -144,8 +145,9 @@ def test_summing_or_last_microbatch_would_be_wrong(setup):
     merged = None
     for p in parts:
         merged = fp8ax.accumulate_gradients(merged, p)
-    np.testing.assert_array_equal(np.asarray(fp8ax.partition_for_grad_overwrite(merged)[0].up_proj.dot_general.rhs.scale),
-                                  np.asarray(want.scale))
+    np.testing.assert_array_equal(
+        np.asarray(fp8ax.partition_for_grad_overwrite(merged)[0].up_proj.dot_general.rhs.scale), np.asarray(want.scale)
+    )
 
 
 def test_plain_arrays_and_an_unused_layer(getkey):

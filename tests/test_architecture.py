@@ -27,8 +27,19 @@ LAYERS = [
     {"_recipes", "_current"},
     {"_settings", "_pipeline"},
     {"_dot_general", "_config"},
-    {"_transform", "_update", "_accumulate", "_distributed", "_cast", "_inspect", "_calibrate", "_report", "_stats",
-     "_serving", "_checkpoint"},
+    {
+        "_transform",
+        "_update",
+        "_accumulate",
+        "_distributed",
+        "_cast",
+        "_inspect",
+        "_calibrate",
+        "_report",
+        "_stats",
+        "_serving",
+        "_checkpoint",
+    },
 ]
 
 
@@ -78,7 +89,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(m)
         for d in sorted(graph.get(m, ())):
             if state.get(d) == 1:
-                return stack[stack.index(d):] + [d]
+                return stack[stack.index(d) :] + [d]
             if d not in state and (found := visit(d)):
                 return found
         state[m] = 2
@@ -104,12 +115,12 @@ def test_cycle_finder_finds_a_cycle():
 def test_how_it_works_lists_every_module_in_its_layer():
     # docs/how-it-works.md names the modules layer by layer, in the order of LAYERS.
     text = (SRC.parents[1] / "docs" / "how-it-works.md").read_text()
-    paragraph = text[text.index("The source follows the same order"):]
-    paragraph = paragraph[:paragraph.index("\n\n")]
+    paragraph = text[text.index("The source follows the same order") :]
+    paragraph = paragraph[: paragraph.index("\n\n")]
     named = re.findall(r"`(_[a-z0-9_]+)`", paragraph)
     groups, i = [], 0
     for layer in LAYERS:
-        groups.append(set(named[i:i + len(layer)]))
+        groups.append(set(named[i : i + len(layer)]))
         i += len(layer)
     assert groups == LAYERS and i == len(named), named
     assert set(named) == {p.stem for p in SRC.glob("_*.py")} - {"__init__"}

@@ -30,7 +30,10 @@ def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_bench") / "x.json"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "--dry", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     payload = json.loads(out.read_text()) if out.exists() else None
     return proc, payload
@@ -170,4 +173,7 @@ def test_fp8_check_counts_triton_fp8_fusions():
     assert gpu.fp8_check("fp8ax_direct", TRITON_HLO, 2, "gpu")["status"] == "FAIL"
     # The cuBLASLt module: the FP8 call, the bf16 call and a bare f32 dot.
     assert gpu.fp8_check("fp8ax_direct", HLO, 1, "gpu")["gemm_paths"] == [
-        "cublas:fp8->bf16", "cublas:wide->bf16", "dot:wide->f32"]
+        "cublas:fp8->bf16",
+        "cublas:wide->bf16",
+        "dot:wide->f32",
+    ]

@@ -12,10 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _reuse import _model, _step, data_for, run_all
 from jax import lax
 
 import fp8ax
+from _reuse import _model, _step, data_for, run_all
 from fp8ax import _boundaries
 
 DIMS = (((1,), (0,)), ((), ()))
@@ -41,8 +41,11 @@ def test_checks_are_false_outside_the_rules():
 
 @pytest.mark.parametrize(
     "entry",
-    ["dot_general", pytest.param("hax_dot", marks=pytest.mark.needs_hax_dot),
-     pytest.param("hax_linear", marks=pytest.mark.needs_hax_dot)],
+    [
+        "dot_general",
+        pytest.param("hax_dot", marks=pytest.mark.needs_hax_dot),
+        pytest.param("hax_linear", marks=pytest.mark.needs_hax_dot),
+    ],
 )
 def test_per_example_cond_refuses_after_the_layer_was_traced_under_vmap(entry):
     # Regression: the check used to run in the custom VJP's forward pass, which JAX

@@ -20,11 +20,12 @@ import numpy as np
 import optax
 import pytest
 from haliax.state_dict import from_state_dict, to_state_dict
-from helpers import Batch, Deep, HaliaxMLP, In, Layers, Mid, Out, mse, settled, sgd_step
 
 import fp8ax
+from helpers import Batch, Deep, HaliaxMLP, In, Layers, Mid, Out, mse, settled, sgd_step
 
 # --------------------------------------------------------------------------- models
+
 
 def _eqx_mlp(key):
     return eqx.nn.MLP(In.size, Out.size, width_size=Mid.size, depth=1, key=key)
@@ -179,8 +180,12 @@ def test_state_dict_of_stacked_model_has_per_layer_keys(getkey):
     plain = Deep.init(key=getkey())
     sd = to_state_dict(fp8ax.fp8_linear_layers(plain))
     # One entry per stacked layer (Haliax unstacks the Block axis), and no FP8 state.
-    per_layer = [f"blocks.{i}.mlp.{lin}.{p}" for i in range(Layers.size) for lin in ("up_proj", "down_proj")
-                 for p in ("weight", "bias")]
+    per_layer = [
+        f"blocks.{i}.mlp.{lin}.{p}"
+        for i in range(Layers.size)
+        for lin in ("up_proj", "down_proj")
+        for p in ("weight", "bias")
+    ]
     assert sorted(sd) == sorted(per_layer + ["head.weight", "head.bias"])
     np.testing.assert_array_equal(
         np.asarray(sd["blocks.1.mlp.up_proj.weight"]), np.asarray(plain.blocks.stacked.mlp.up_proj.weight.array[1])

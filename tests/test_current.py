@@ -13,9 +13,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import Batch, Deep, In, Out, sqnr
 
 import fp8ax
+from helpers import Batch, Deep, In, Out, sqnr
 
 DIMS = (((1,), (0,)), ((), ()))
 
@@ -55,16 +55,23 @@ def test_row_scaling_beats_tensor_scaling_on_outlier_rows(getkey):
     x = jax.random.normal(getkey(), (64, 128)).at[3].multiply(1e5)
     w = jax.random.normal(getkey(), (128, 32))
     ref = x @ w
-    got = {g: sqnr(np.asarray(ref)[np.arange(64) != 3], np.asarray(
-        fp8ax.Fp8DotGeneral.init(fp8ax.CurrentScaling(g))(x, w, DIMS))[np.arange(64) != 3]) for g in ("tensor", "row")}
+    got = {
+        g: sqnr(
+            np.asarray(ref)[np.arange(64) != 3],
+            np.asarray(fp8ax.Fp8DotGeneral.init(fp8ax.CurrentScaling(g))(x, w, DIMS))[np.arange(64) != 3],
+        )
+        for g in ("tensor", "row")
+    }
     # Row-wise keeps the ordinary rows at E4M3's ~28 dB; one tensor-wise scale set by a
     # row 1e5 times larger puts them in E4M3's subnormal range (and below).
     assert got["row"] > 25 > got["tensor"] + 5, got
 
 
-@pytest.mark.parametrize("recipe", [fp8ax.CurrentScaling("tensor"), fp8ax.CurrentScaling("row"),
-                                    fp8ax.MXScaling(8), fp8ax.Int8Scaling()], ids=lambda r: type(r).__name__ + (
-                                        getattr(r, "granularity", "")))
+@pytest.mark.parametrize(
+    "recipe",
+    [fp8ax.CurrentScaling("tensor"), fp8ax.CurrentScaling("row"), fp8ax.MXScaling(8), fp8ax.Int8Scaling()],
+    ids=lambda r: type(r).__name__ + (getattr(r, "granularity", "")),
+)
 def test_gradients_follow_the_quantised_backward_gemms(recipe, getkey):
     # The backward GEMMs quantise g and the operands again along their own contracting
     # axes; compare with quantising by hand and multiplying in float64.
@@ -96,11 +103,13 @@ def test_aqt_worked_example_through_the_module():
     a = jnp.asarray(gen_matrix(3, 4), jnp.float32)
     w = jnp.asarray(gen_matrix(4, 5), jnp.float32)
     got = fp8ax.Fp8DotGeneral.init(fp8ax.Int8Scaling())(a, w, DIMS)
-    want = np.array([
-        [3.5998788, 5.8562713, 1.9385538, 4.7426414, 1.9792401],
-        [4.321886, 0.99681264, 2.737299, 4.3591022, 3.6352503],
-        [-0.07714217, 2.7415617, -0.35343346, 0.20568734, -1.1974115],
-    ])
+    want = np.array(
+        [
+            [3.5998788, 5.8562713, 1.9385538, 4.7426414, 1.9792401],
+            [4.321886, 0.99681264, 2.737299, 4.3591022, 3.6352503],
+            [-0.07714217, 2.7415617, -0.35343346, 0.20568734, -1.1974115],
+        ]
+    )
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
     # The GEMM itself is int8 x int8 -> int32.
     text = jax.jit(lambda a, w: fp8ax.Fp8DotGeneral.init(fp8ax.Int8Scaling())(a, w, DIMS)).lower(a, w).as_text()
@@ -127,8 +136,12 @@ def test_per_operand_recipes_and_high_precision_gemms(getkey):
     y, dx, dw = grads(lhs_recipe="off", rhs_recipe="off")  # only the gradient quantised
     np.testing.assert_allclose(np.asarray(y), np.asarray(x @ w), rtol=1e-5, atol=1e-5)
     y, dx, dw = grads(grad_recipe="off")
-    np.testing.assert_allclose(np.asarray(dw), np.asarray(
-        fp8ax.quantize(x, fp8ax.CurrentScaling("row"), 0).dequantize().T @ gy), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(dw),
+        np.asarray(fp8ax.quantize(x, fp8ax.CurrentScaling("row"), 0).dequantize().T @ gy),
+        rtol=1e-5,
+        atol=1e-5,
+    )
     # Another recipe for one operand: the kernel in MX.
     y, _, _ = grads(rhs_recipe=fp8ax.MXScaling(8))
     qx = fp8ax.quantize(x, fp8ax.CurrentScaling("row"), 1).dequantize()
@@ -199,8 +212,13 @@ def test_quantize_api(getkey):
         fp8ax.MXScaling(fwd_element="e8m0")
 
 
-ALL = [fp8ax.CurrentScaling(), fp8ax.CurrentScaling("row", True), fp8ax.MXScaling(8), fp8ax.MXScaling(8, "e2m1", "e2m1"),
-       fp8ax.Int8Scaling()]
+ALL = [
+    fp8ax.CurrentScaling(),
+    fp8ax.CurrentScaling("row", True),
+    fp8ax.MXScaling(8),
+    fp8ax.MXScaling(8, "e2m1", "e2m1"),
+    fp8ax.Int8Scaling(),
+]
 
 
 @pytest.mark.parametrize("recipe", ALL, ids=lambda r: repr(r).split("(")[0])
@@ -258,8 +276,11 @@ SQNR_BOUNDS = [
 ]
 
 
-@pytest.mark.parametrize("recipe,fwd_db,grad_db", SQNR_BOUNDS, ids=lambda v: repr(v).split("(")[0] + repr(v)[-12:]
-                         if not isinstance(v, int) else str(v))
+@pytest.mark.parametrize(
+    "recipe,fwd_db,grad_db",
+    SQNR_BOUNDS,
+    ids=lambda v: repr(v).split("(")[0] + repr(v)[-12:] if not isinstance(v, int) else str(v),
+)
 def test_sqnr_per_recipe(recipe, fwd_db, grad_db, getkey):
     x = jax.random.normal(getkey(), (64, 256))
     w = jax.random.normal(getkey(), (256, 64))
@@ -289,8 +310,14 @@ def test_mx_contracting_dim_not_a_multiple_of_the_block(getkey):
     _close(y, np.asarray(qx.dequantize(), np.float64) @ np.asarray(qw.dequantize(), np.float64))
 
 
-@pytest.mark.parametrize("fmt,ml", [(jnp.float8_e4m3fn, ml_dtypes.float8_e4m3fn), (jnp.float8_e5m2, ml_dtypes.float8_e5m2),
-                                    (jnp.float8_e4m3fnuz, ml_dtypes.float8_e4m3fnuz)])
+@pytest.mark.parametrize(
+    "fmt,ml",
+    [
+        (jnp.float8_e4m3fn, ml_dtypes.float8_e4m3fn),
+        (jnp.float8_e5m2, ml_dtypes.float8_e5m2),
+        (jnp.float8_e4m3fnuz, ml_dtypes.float8_e4m3fnuz),
+    ],
+)
 @pytest.mark.parametrize("granularity", ["tensor", "row"])
 def test_current_scaling_values_are_bit_exact(fmt, ml, granularity, getkey):
     x = jax.random.normal(getkey(), (16, 40)) * jnp.exp(jax.random.normal(getkey(), (16, 1)) * 3)
@@ -327,7 +354,7 @@ def test_power_of_two_scales_are_exact_powers_of_two(granularity):
     x = jnp.asarray(np.stack([amaxes, -amaxes / 3], axis=1))  # each row's amax is its first entry
     recipe = fp8ax.CurrentScaling(granularity, power_of_two=True)
     if granularity == "tensor":
-        scales = np.array([float(fp8ax.quantize(x[i:i + 1], recipe).scale) for i in range(0, len(amaxes), 7)])
+        scales = np.array([float(fp8ax.quantize(x[i : i + 1], recipe).scale) for i in range(0, len(amaxes), 7)])
         want = _ref_current_scale(amaxes[::7], 448.0, True)
     else:
         scales = np.asarray(fp8ax.quantize(x, recipe, axis=1).scale)[:, 0]

@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import sqnr
 
 import fp8ax
+from helpers import sqnr
 
 DIMS = (((1,), (0,)), ((), ()))
 
@@ -57,9 +57,7 @@ def test_sqnr_against_float32(mode, dtype, grad_dtype, grad_db, getkey):
 
 def test_direct_and_qdq_agree(getkey):
     x, w, gy = _data(getkey)
-    outs = [
-        _fwd_and_grads(fp8ax.Fp8DotGeneral.init(mode=mode), x, w, gy) for mode in ("direct", "qdq")
-    ]
+    outs = [_fwd_and_grads(fp8ax.Fp8DotGeneral.init(mode=mode), x, w, gy) for mode in ("direct", "qdq")]
     # Same quantised operands and scales; only where the scale multiplies differs
     # (after vs before the f32 accumulation): float32 rounding.
     for a, b in zip(*outs):
@@ -260,9 +258,7 @@ def test_vmap_over_examples_observes_the_whole_batch(getkey):
     g2 = eqx.filter_grad(batched)(dg, x, w)
     for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    np.testing.assert_allclose(
-        np.asarray(jax.vmap(lambda xi: dg(xi, w, d1))(x)), np.asarray(dg(x, w, DIMS)), rtol=1e-6
-    )
+    np.testing.assert_allclose(np.asarray(jax.vmap(lambda xi: dg(xi, w, d1))(x)), np.asarray(dg(x, w, DIMS)), rtol=1e-6)
 
 
 def test_train_step_compiles_twice_then_never(getkey):
@@ -306,9 +302,12 @@ def test_train_step_compiles_twice_then_never(getkey):
         (jnp.ones((2, 3), jnp.float8_e4m3fn), jnp.ones((3, 2)), "`lhs` must be a float16.*float8_e4m3fn"),
         # A model holding abstract arrays, called outside a trace (`eqx.filter_jit` keeps a
         # ShapeDtypeStruct static): the error says how to lower on abstract arrays.
-        (jnp.ones((2, 3)), jax.ShapeDtypeStruct((3, 2), jnp.float32),
-         "`rhs` must be a floating-point array, got a jax.ShapeDtypeStruct.*pass the model's arrays as arguments of "
-         "a `jax.jit`"),
+        (
+            jnp.ones((2, 3)),
+            jax.ShapeDtypeStruct((3, 2), jnp.float32),
+            "`rhs` must be a floating-point array, got a jax.ShapeDtypeStruct.*pass the model's arrays as arguments of "
+            "a `jax.jit`",
+        ),
     ],
 )
 def test_bad_operands(lhs, rhs, match):
@@ -327,7 +326,11 @@ def test_plain_int8_dot_for_comparison():
 @pytest.mark.parametrize(
     "dims,exc,match",
     [
-        ((((1,), (1,)), ((), ())), ValueError, r"do not contract: lhs dims \(1,\) have sizes \(3,\) but rhs dims \(1,\) have sizes \(2,\)"),
+        (
+            (((1,), (1,)), ((), ())),
+            ValueError,
+            r"do not contract: lhs dims \(1,\) have sizes \(3,\) but rhs dims \(1,\) have sizes \(2,\)",
+        ),
         ((((2,), (0,)), ((), ())), ValueError, r"names dimensions \[2\] of `lhs`"),
         ((((1,), (0, 1)), ((), ())), ValueError, "pairs"),
         ("nonsense", TypeError, "`dimension_numbers` must be"),

@@ -82,15 +82,24 @@ def test_lm_example_prints_the_loss_table_and_saves_the_plot(tmp_path):
     plot = tmp_path / "curves" / "loss.png"
     amax_plot = tmp_path / "curves" / "amax.png"
     tiny = ["--layers", "1", "--seq", "16", "--batch", "4", "--embed", "32"]
-    out = _run_example(ROOT / "examples" / "haliax_transformer_lm.py", *tiny, "--plot", str(plot),
-                       "--amax-plot", str(amax_plot), cwd=tmp_path)
+    out = _run_example(
+        ROOT / "examples" / "haliax_transformer_lm.py",
+        *tiny,
+        "--plot",
+        str(plot),
+        "--amax-plot",
+        str(amax_plot),
+        cwd=tmp_path,
+    )
     lines = out.splitlines()
     # The conversion report: the four block projections to FP8, the head left out.
     assert "4 of 5 linear layers converted to FP8" in out, out
     assert re.search(r"^  head +hax\.nn\.Linear +32 +61 +skipped +not selected by `targets`$", out, re.M), out
     # The scaling statistics: a row per FP8 layer and tensor, percentages for lhs and rhs.
     for layer in ("qkv_proj", "o_proj", "up_proj", "down_proj"):
-        row = re.search(rf"^  blocks\.stacked\.{layer}\[0\] +lhs +(\S+) +(\S+) +(\S+) +([\d.]+)% +([\d.]+)%$", out, re.M)
+        row = re.search(
+            rf"^  blocks\.stacked\.{layer}\[0\] +lhs +(\S+) +(\S+) +(\S+) +([\d.]+)% +([\d.]+)%$", out, re.M
+        )
         assert row, (layer, out)
         scale, amax, hist_max = (float(v) for v in row.groups()[:3])
         assert 0 < scale and 0 < amax <= hist_max, row.group(0)
@@ -114,7 +123,9 @@ def test_lm_example_prints_the_loss_table_and_saves_the_plot(tmp_path):
 def test_serving_example_serves_what_it_trained(tmp_path):
     tiny = ["--layers", "1", "--seq", "16", "--batch", "4", "--embed", "32", "--generate", "10"]
     out = _run_example(ROOT / "examples" / "serving.py", *tiny, cwd=tmp_path)
-    held = dict(re.findall(r"^  (bf16|fp8 trained|fp8 served|PTQ fp8 \(from bf16\)) +(\d+\.\d{4})  \(", out, re.MULTILINE))
+    held = dict(
+        re.findall(r"^  (bf16|fp8 trained|fp8 served|PTQ fp8 \(from bf16\)) +(\d+\.\d{4})  \(", out, re.MULTILINE)
+    )
     assert set(held) == {"bf16", "fp8 trained", "fp8 served", "PTQ fp8 (from bf16)"}, out
     assert held["fp8 served"] == held["fp8 trained"], out
     assert all(0 < float(v) < 10 for v in held.values()), out
@@ -271,6 +282,9 @@ def test_readme_starts_with_the_two_commands():
 def test_docs_build_strict(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -31,10 +31,28 @@ def _special_values(ml_dtype) -> np.ndarray:
     normal = float(info.smallest_normal)
     big = float(info.max)
     vals = [
-        0.0, -0.0, np.nan, 1.0, -1.0,
-        big, -big, big * 1.01, -big * 4, 1e30, -1e30, np.inf, -np.inf,  # saturation
-        tiny, -tiny, tiny * 0.5, tiny * 0.49, tiny * 1.5, tiny * 2.5,    # subnormals and ties
-        normal, normal * 0.75, -normal * 0.5,
+        0.0,
+        -0.0,
+        np.nan,
+        1.0,
+        -1.0,
+        big,
+        -big,
+        big * 1.01,
+        -big * 4,
+        1e30,
+        -1e30,
+        np.inf,
+        -np.inf,  # saturation
+        tiny,
+        -tiny,
+        tiny * 0.5,
+        tiny * 0.49,
+        tiny * 1.5,
+        tiny * 2.5,  # subnormals and ties
+        normal,
+        normal * 0.75,
+        -normal * 0.5,
     ]
     return np.array(vals, np.float32)
 
@@ -90,7 +108,9 @@ def test_amax_counts_a_nan_as_inf_in_a_large_tensor(dtype, shape, getkey):
     # where it is compiled next to the tensor's FP8 cast (as in a training step).
     x = jax.random.normal(getkey(), shape, jnp.float32)
     want = np.abs(np.asarray(x.astype(dtype), np.float32)).max()
-    with_cast = jax.jit(lambda x: (_formats.amax(x), _formats.quantize(x, jnp.float32(0.5), np.dtype(jnp.float8_e4m3fn))))
+    with_cast = jax.jit(
+        lambda x: (_formats.amax(x), _formats.quantize(x, jnp.float32(0.5), np.dtype(jnp.float8_e4m3fn)))
+    )
     one_stage = jax.jit(lambda x: _formats._amax_nan_as_inf(x, two_stage=False))
     two_stage = jax.jit(lambda x: _formats._amax_nan_as_inf(x, two_stage=True))
     for fn in (jax.jit(_formats.amax), lambda x: with_cast(x)[0], one_stage, two_stage):

@@ -26,8 +26,10 @@ DIMS = (((1,), (0,)), ((), ()))
 
 def _dot_precisions(text: str) -> list[str]:
     """The precision of every `dot_general` in lowered StableHLO, in program order."""
-    return [m.group(1) if m else "DEFAULT" for m in
-            (re.search(r"precision = \[(\w+), \w+\]", line) for line in text.splitlines() if "dot_general" in line)]
+    return [
+        m.group(1) if m else "DEFAULT"
+        for m in (re.search(r"precision = \[(\w+), \w+\]", line) for line in text.splitlines() if "dot_general" in line)
+    ]
 
 
 @pytest.mark.parametrize("mode", ["direct", "qdq"])
@@ -74,7 +76,8 @@ def h100():
 def _step(mesh, mode):
     """`(jitted step, abstract arguments placed on the described H100)`: the gradient of
     one FP8 layer's output, the layer in `mode`."""
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     dg = fp8ax.Fp8DotGeneral.init(mode=mode)
     rep = NamedSharding(mesh, P())
@@ -139,8 +142,24 @@ def _train_step_programs(paths: str, variants: str, tmp_path) -> dict:
 
     out = tmp_path / "aot.json"
     run = subprocess.run(
-        [sys.executable, str(BENCH / "gpu_aot.py"), "--steps", "mlp", "--paths", paths,
-         "--variants", variants, "--repeat", "1", "--out", str(out)], capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            str(BENCH / "gpu_aot.py"),
+            "--steps",
+            "mlp",
+            "--paths",
+            paths,
+            "--variants",
+            variants,
+            "--repeat",
+            "1",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     return json.loads(out.read_text())["results"]
 
@@ -160,7 +179,11 @@ def test_train_step_program_is_what_the_design_says(h100, tmp_path):
     for path, by_variant in results.items():
         haliax, ours = by_variant["mlp/haliax_fp8"], by_variant["mlp/fp8ax_direct"]
         assert ours["kernels"] < haliax["kernels"], (path, ours["kernels"], haliax["kernels"])
-        assert ours["non_gemm_bytes"] <= haliax["non_gemm_bytes"] + 1e5, (path, ours["non_gemm_bytes"], haliax["non_gemm_bytes"])
+        assert ours["non_gemm_bytes"] <= haliax["non_gemm_bytes"] + 1e5, (
+            path,
+            ours["non_gemm_bytes"],
+            haliax["non_gemm_bytes"],
+        )
         for variant in ("fp8ax_direct", "fp8ax_qdq", "fp8ax_direct_first"):
             info = by_variant[f"mlp/{variant}"]
             where = f"{path} {variant}: {info.get('gemm_paths', info)}"
@@ -213,7 +236,7 @@ def test_direct_bf16_output_against_a_replay():
     qw, sw = quantise(w)
     acc = qx.astype(np.float64) @ qw.astype(np.float64)
     scale = np.float32(sx * sw).astype(ml_dtypes.bfloat16).astype(np.float32)
-    want = (acc.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32) * scale)
+    want = acc.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32) * scale
     want = want.astype(ml_dtypes.bfloat16).astype(np.float32)
     np.testing.assert_allclose(got, want, rtol=2**-7, atol=0)
     assert np.mean(got == want) > 0.99  # almost all bit for bit

@@ -4,9 +4,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import Batch, HaliaxMLP, In, Out, mse, sgd_step
 
 import fp8ax
+from helpers import Batch, HaliaxMLP, In, Out, mse, sgd_step
 
 
 @pytest.mark.needs_hax_dot
@@ -70,8 +70,9 @@ def test_report_on_a_model_with_attention(getkey):
     others = report.lowered_non_fp8
     assert others == [g for g in report.lowered if not g.fp8ax] and len(others) >= 2
     assert not report.all_fp8
-    assert all("MultiheadAttention" in g.name and g.location.split(":")[0].endswith("equinox/nn/_attention.py")
-               for g in others)
+    assert all(
+        "MultiheadAttention" in g.name and g.location.split(":")[0].endswith("equinox/nn/_attention.py") for g in others
+    )
     # Forward: scores (heads, q, k) from q and k (3 sequences x 5 tokens x 2 heads x 8).
     forward = [g for g in others if not g.name.split("/")[1].startswith("transpose")]
     assert sorted(g.out for g in forward) == ["f32[3,2,5,5]", "f32[3,2,5,8]"], forward
@@ -110,8 +111,13 @@ def test_report_locates_plain_matmuls():
 def test_report_on_a_haliax_attention_block(getkey):
     import haliax as hax
 
-    Pos, KPos, Embed, Heads, Head = (hax.Axis("pos", 6), hax.Axis("kpos", 6), hax.Axis("embed", 16),
-                                     hax.Axis("heads", 2), hax.Axis("head", 8))
+    Pos, KPos, Embed, Heads, Head = (
+        hax.Axis("pos", 6),
+        hax.Axis("kpos", 6),
+        hax.Axis("embed", 16),
+        hax.Axis("heads", 2),
+        hax.Axis("head", 8),
+    )
 
     class Attn(eqx.Module):
         q: hax.nn.Linear
@@ -122,8 +128,9 @@ def test_report_on_a_haliax_attention_block(getkey):
             kv = self.kv(x).rename({Pos: KPos})
             return hax.nn.attention.dot_product_attention(KPos, Head, q, kv, kv)
 
-    model = Attn(hax.nn.Linear.init(Embed, (Heads, Head), key=getkey()),
-                 hax.nn.Linear.init(Embed, (Heads, Head), key=getkey()))
+    model = Attn(
+        hax.nn.Linear.init(Embed, (Heads, Head), key=getkey()), hax.nn.Linear.init(Embed, (Heads, Head), key=getkey())
+    )
     x = hax.random.normal(getkey(), (Pos, Embed))
     for mode, lowered_ok in (("direct", True), ("qdq", False)):
         fp8 = fp8ax.fp8_linear_layers(model, fp8ax.Fp8Config(mode=mode))

@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import Batch, Deep, HaliaxMLP, In, Layers, Out, mse, settled
 
 import fp8ax
+from helpers import Batch, Deep, HaliaxMLP, In, Layers, Out, mse, settled
 
 # float32 tolerance for a hand computation done in float64 against optax's float32
 # arithmetic: a few ulp of the largest term.

@@ -195,7 +195,9 @@ def test_eager_training_with_debug_nans_and_infs(getkey):
         for name in ("lhs", "rhs", "grad"):
             se, sj = getattr(layer_e.dot_general, name), getattr(layer_j.dot_general, name)
             np.testing.assert_allclose(np.asarray(se.scale), np.asarray(sj.scale), rtol=1e-6, err_msg=name)
-            np.testing.assert_allclose(np.asarray(se.amax_history), np.asarray(sj.amax_history), rtol=1e-6, err_msg=name)
+            np.testing.assert_allclose(
+                np.asarray(se.amax_history), np.asarray(sj.amax_history), rtol=1e-6, err_msg=name
+            )
         np.testing.assert_allclose(np.asarray(layer_e.weight), np.asarray(layer_j.weight), rtol=1e-5, atol=1e-6)
     assert np.count_nonzero(np.asarray(eager.layers[0].dot_general.lhs.amax_history)) == 3
 

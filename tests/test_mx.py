@@ -5,9 +5,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import sqnr
 
 from fp8ax import _formats, _mx
+from helpers import sqnr
 
 # The OCP MX v1.0 element types, written out here rather than taken from fp8ax:
 # (ml_dtypes type or None for INT8, emax, largest magnitude).
@@ -436,4 +436,6 @@ def test_gradient_of_a_full_contraction():
     np.testing.assert_array_equal(np.asarray(gw), np.asarray(fp8ax.quantize(x, recipe, axis=0).dequantize()))
     # A gradient that is not a power of two is quantised too: 0.3 in E5M2 is 0.3125.
     gx = jax.grad(lambda x: 0.3 * dg(x, w, dims))(x)
-    np.testing.assert_array_equal(np.asarray(gx), np.float32(0.3125) * np.asarray(fp8ax.quantize(w, recipe, axis=0).dequantize()))
+    np.testing.assert_array_equal(
+        np.asarray(gx), np.float32(0.3125) * np.asarray(fp8ax.quantize(w, recipe, axis=0).dequantize())
+    )

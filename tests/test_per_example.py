@@ -73,8 +73,9 @@ def test_per_example_weight_gradient_is_one_gemm(calibrated, getkey):
     assert size <= B * IN, where
 
 
-@pytest.mark.parametrize("recipe", [None, fp8ax.DelayedScaling(calibrate_first_call=False)],
-                         ids=["default", "no-calibration"])
+@pytest.mark.parametrize(
+    "recipe", [None, fp8ax.DelayedScaling(calibrate_first_call=False)], ids=["default", "no-calibration"]
+)
 def test_per_example_gradients_equal_the_batched_call(recipe, getkey):
     # Bit for bit: the fold runs the same quantised values through one bigger GEMM, and
     # the new state is the same merged observation.

@@ -87,8 +87,9 @@ def test_settings_is_the_one_static_field(getkey):
     config = fp8ax.Fp8Config(targets=["x"], settings=settings, min_features=4)
     assert (config.recipe, config.mode, config.min_features) == (settings.recipe, "qdq", 4)
     # The keyword arguments build the same settings.
-    same = fp8ax.Fp8Config(targets=["x"], recipe=fp8ax.CurrentScaling("row"), mode="qdq",
-                           high_precision_gemms=("drhs",), min_features=4)
+    same = fp8ax.Fp8Config(
+        targets=["x"], recipe=fp8ax.CurrentScaling("row"), mode="qdq", high_precision_gemms=("drhs",), min_features=4
+    )
     assert same == config
     # dataclasses.replace re-checks.
     assert dataclasses.replace(settings, mode="direct").mode == "direct"
@@ -131,8 +132,13 @@ def test_settings_and_gemm_arguments_are_exclusive():
 
 @pytest.mark.parametrize(
     "recipe",
-    [fp8ax.DelayedScaling(), fp8ax.CurrentScaling(), fp8ax.CurrentScaling("row"), fp8ax.MXScaling(block_size=4),
-     fp8ax.Int8Scaling()],
+    [
+        fp8ax.DelayedScaling(),
+        fp8ax.CurrentScaling(),
+        fp8ax.CurrentScaling("row"),
+        fp8ax.MXScaling(block_size=4),
+        fp8ax.Int8Scaling(),
+    ],
     ids=["delayed", "tensor", "row", "mx", "int8"],
 )
 def test_every_recipe_declares_its_scale_layout(recipe, getkey):

@@ -160,18 +160,29 @@ def test_operands_quantised_together_match_one_by_one(getkey):
     # operand alone, with one filled history and one empty.
     recipe = fp8ax.DelayedScaling(history_length=4)
     xs = [jax.random.normal(getkey(), (3, 4)) * 900.0, jax.random.normal(getkey(), (4, 5))]
-    states = [(jnp.float32(0.5), jnp.asarray([3.0, 1.0, 0.0, 0.0], jnp.float32)),
-              (jnp.float32(1.0), jnp.zeros(4, jnp.float32))]
+    states = [
+        (jnp.float32(0.5), jnp.asarray([3.0, 1.0, 0.0, 0.0], jnp.float32)),
+        (jnp.float32(1.0), jnp.zeros(4, jnp.float32)),
+    ]
     together = jax.jit(
-        lambda xs, states: recipe.quantize_operands([fp8ax.Operand(x, (1,), recipe.fwd_dtype, st) for x, st in zip(xs, states)])
+        lambda xs, states: recipe.quantize_operands(
+            [fp8ax.Operand(x, (1,), recipe.fwd_dtype, st) for x, st in zip(xs, states)]
+        )
     )(xs, states)
-    alone = [jax.jit(lambda x, st: recipe.quantize_operand(x, (1,), recipe.fwd_dtype, state=st))(x, st)
-             for x, st in zip(xs, states)]
+    alone = [
+        jax.jit(lambda x, st: recipe.quantize_operand(x, (1,), recipe.fwd_dtype, state=st))(x, st)
+        for x, st in zip(xs, states)
+    ]
     # The filled history's delayed scale, and the empty one's own amax (one float32 multiply).
-    want = [np.float32(3.0) * np.float32(1 / 448.0), np.float32(np.max(np.abs(np.asarray(xs[1])))) * np.float32(1 / 448.0)]
+    want = [
+        np.float32(3.0) * np.float32(1 / 448.0),
+        np.float32(np.max(np.abs(np.asarray(xs[1])))) * np.float32(1 / 448.0),
+    ]
     for (q, new), (q1, new1), x, w in zip(together, alone, xs, want):
         assert np.asarray(q.scale) == w == np.asarray(q1.scale)
-        np.testing.assert_array_equal(np.asarray(q.values, np.float32), np.asarray(_q(x, w, ml_dtypes.float8_e4m3fn, 448.0), np.float32))
+        np.testing.assert_array_equal(
+            np.asarray(q.values, np.float32), np.asarray(_q(x, w, ml_dtypes.float8_e4m3fn, 448.0), np.float32)
+        )
         np.testing.assert_array_equal(np.asarray(q.values, np.float32), np.asarray(q1.values, np.float32))
         for a, b in zip(new, new1):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -198,7 +209,9 @@ def test_without_calibration_a_corrupt_history_keeps_the_scale(history, expected
     )(x, jnp.float32(old_scale), jnp.asarray(history, jnp.float32))
     want = old_scale if expected is None else np.float32(expected * np.float32(1 / 448.0))
     assert np.asarray(q.scale) == want
-    np.testing.assert_array_equal(np.asarray(q.values, np.float32), np.asarray(_q(x, want, ml_dtypes.float8_e4m3fn, 448.0), np.float32))
+    np.testing.assert_array_equal(
+        np.asarray(q.values, np.float32), np.asarray(_q(x, want, ml_dtypes.float8_e4m3fn, 448.0), np.float32)
+    )
     # The call's own observation is recorded as usual.
     assert float(new_hist[0]) == 2.0 and float(new_scale) == want
     # `scale_for_call`, the formula written out, agrees, with either `calibrate_first_call`
@@ -206,7 +219,8 @@ def test_without_calibration_a_corrupt_history_keeps_the_scale(history, expected
     for calibrate in (False, True):
         r = fp8ax.DelayedScaling(history_length=4, calibrate_first_call=calibrate)
         got = jax.jit(r.scale_for_call, static_argnums=3)(
-            jnp.float32(old_scale), jnp.asarray(history, jnp.float32), jnp.float32(2.0), 448.0)
+            jnp.float32(old_scale), jnp.asarray(history, jnp.float32), jnp.float32(2.0), 448.0
+        )
         if calibrate and history == [0.0] * 4:
             want = np.float32(2.0 * np.float32(1 / 448.0))  # an empty history calibrates on the call's amax
         assert np.asarray(got) == want, calibrate
@@ -225,7 +239,9 @@ def test_bad_operands_are_errors():
     recipe = fp8ax.DelayedScaling(history_length=4)
     x = jnp.ones((2, 3))
     state = (jnp.float32(1.0), jnp.zeros(4, jnp.float32))
-    with pytest.raises(TypeError, match=r"`operands` must be a sequence of `fp8ax.Operand`, got an element of type tuple"):
+    with pytest.raises(
+        TypeError, match=r"`operands` must be a sequence of `fp8ax.Operand`, got an element of type tuple"
+    ):
         recipe.quantize_operands([(x, (1,), recipe.fwd_dtype, state)])
     with pytest.raises(TypeError, match=r"`operands` must be a sequence of `fp8ax.Operand`"):
         fp8ax.CurrentScaling().quantize_operands([x])

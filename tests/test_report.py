@@ -4,9 +4,9 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import Deep, Layers
 
 import fp8ax
+from helpers import Deep, Layers
 
 
 class CNN(eqx.Module):
@@ -32,9 +32,7 @@ def _converted_paths(model, converted):
     """Paths of the layers fp8_linear_layers really made FP8 (found independently of the report)."""
     return [
         p
-        for p, old, new in (
-            (f"layers.{i}", a, b) for i, (a, b) in enumerate(zip(model.layers, converted.layers))
-        )
+        for p, old, new in ((f"layers.{i}", a, b) for i, (a, b) in enumerate(zip(model.layers, converted.layers)))
         if isinstance(new, fp8ax.Fp8Linear) and not isinstance(old, fp8ax.Fp8Linear)
     ]
 
@@ -135,8 +133,13 @@ def test_haliax_stacked_and_already_converted(getkey):
     assert [r.action for r in again.layers] == ["keep", "keep", "convert"]
     assert again.layers[0].reason == "already FP8 (fp8ax); its state is kept"
     # Haliax's own FP8 op is left alone, and says so.
-    own = eqx.tree_at(lambda m: m.head, model, hax.nn.Linear.init(
-        model.head.In, model.head.Out, key=getkey(), dot_general=hax.quantization.Fp8DotGeneralOp.init()))
+    own = eqx.tree_at(
+        lambda m: m.head,
+        model,
+        hax.nn.Linear.init(
+            model.head.In, model.head.Out, key=getkey(), dot_general=hax.quantization.Fp8DotGeneralOp.init()
+        ),
+    )
     row = fp8ax.conversion_report(own).layers[-1]
     assert row.action == "keep" and "Fp8DotGeneralOp" in row.reason
 

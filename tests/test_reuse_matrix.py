@@ -25,6 +25,7 @@ import subprocess
 import sys
 
 import pytest
+
 from _reuse import ENTRIES, case_id, cases, run_all
 from conftest import hax_dot_failure
 
@@ -53,7 +54,10 @@ def test_reuse_on_8_devices(chunk, tmp_path):
     out = tmp_path / "results.json"
     proc = subprocess.run(
         [sys.executable, str(HERE / "_reuse.py"), str(out), str(chunk), str(CHUNKS)],
-        env=env, capture_output=True, text=True, timeout=900,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
     results = json.loads(out.read_text())

@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import Batch, Deep, HaliaxMLP, In, Mid, Out, mse, sgd_step, sqnr
 
 import fp8ax
+from helpers import Batch, Deep, HaliaxMLP, In, Mid, Out, mse, sgd_step, sqnr
 
 pytestmark = pytest.mark.needs_hax_dot
 
@@ -76,7 +76,8 @@ def _forward(model, x):
 
 @pytest.mark.parametrize("recipe", RECIPES.values(), ids=RECIPES.keys())
 @pytest.mark.parametrize(
-    "kind, dtype", [("haliax", jnp.float32), ("stacked", jnp.bfloat16), ("eqx", jnp.bfloat16)],
+    "kind, dtype",
+    [("haliax", jnp.float32), ("stacked", jnp.bfloat16), ("eqx", jnp.bfloat16)],
     ids=["haliax-f32", "stacked-bf16", "eqx-bf16"],
 )
 def test_serving_output_equals_training_output(recipe, kind, dtype, getkey):
@@ -115,7 +116,9 @@ def test_unbatched_and_weight_first_calls_equal_training(getkey):
     # weight, where `hax.dot` passes the weight as the first operand of the dot general.
     Heads = hax.Axis("Heads", 4)
     for recipe in (fp8ax.CurrentScaling("row"), fp8ax.DelayedScaling()):
-        lin = fp8ax.fp8_linear_layers(hax.nn.Linear.init(In, (Heads, Out), key=getkey()), fp8ax.Fp8Config(recipe=recipe))
+        lin = fp8ax.fp8_linear_layers(
+            hax.nn.Linear.init(In, (Heads, Out), key=getkey()), fp8ax.Fp8Config(recipe=recipe)
+        )
         x = hax.random.normal(getkey(), (Batch, Heads, In))
         lin = fp8ax.calibrate(lin, lambda m, x: hax.sum(m(x)).scalar(), [(x,)]) if recipe.stateful else lin
         serving = fp8ax.to_serving(lin)
@@ -198,7 +201,9 @@ def test_no_float_weight_is_kept(getkey):
 def test_gradients_are_refused_with_the_layer_name(getkey):
     model, x = _trained("stacked", fp8ax.Fp8Config(), jnp.float32, getkey)
     serving = fp8ax.to_serving(model)
-    with pytest.raises(TypeError, match=r"`blocks\.stacked\.mlp\.up_proj` is a serving layer.*cannot be differentiated"):
+    with pytest.raises(
+        TypeError, match=r"`blocks\.stacked\.mlp\.up_proj` is a serving layer.*cannot be differentiated"
+    ):
         eqx.filter_grad(lambda m: hax.sum(m(x)).scalar())(serving)
     with pytest.raises(TypeError, match=r"serving layer.*its input"):
         jax.grad(lambda a: hax.sum(serving(hax.NamedArray(a, x.axes))).scalar())(x.array)
@@ -215,8 +220,11 @@ def test_converting_twice_is_an_error(getkey):
 
 def test_never_observed_state_is_an_error(getkey):
     fresh = fp8ax.fp8_linear_layers(Deep.init(key=getkey()))
-    with pytest.raises(ValueError, match=r"`blocks\.stacked\.mlp\.up_proj` \(stacked entries \[\(0,\), \(1,\), \(2,\)\].*"
-                       r"empty activation amax history.*fp8ax\.calibrate"):
+    with pytest.raises(
+        ValueError,
+        match=r"`blocks\.stacked\.mlp\.up_proj` \(stacked entries \[\(0,\), \(1,\), \(2,\)\].*"
+        r"empty activation amax history.*fp8ax\.calibrate",
+    ):
         fp8ax.to_serving(fresh)
     # A layer the data never reached: the head of a model whose loss ignores it.
     model = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
@@ -231,9 +239,11 @@ def test_corrupt_state_is_an_error(role, what, getkey):
     # A state that went through an optimiser (`eqx.apply_updates` on the raw gradient)
     # would freeze a scale from values fp8ax never wrote.
     model, _ = _trained("haliax", fp8ax.Fp8Config(), jnp.float32, getkey)
-    where = lambda m: getattr(m.down_proj.dot_general, role).amax_history
+    where = lambda m: getattr(m.down_proj.dot_general, role).amax_history  # noqa: E731
     broken = eqx.tree_at(where, model, where(model).at[2].set(-0.5))
-    with pytest.raises(ValueError, match=rf"Layer `down_proj`, {what} state.*negative or non-finite.*fp8ax\.apply_updates"):
+    with pytest.raises(
+        ValueError, match=rf"Layer `down_proj`, {what} state.*negative or non-finite.*fp8ax\.apply_updates"
+    ):
         fp8ax.to_serving(broken)
 
 
@@ -247,8 +257,9 @@ def test_plain_model_and_haliax_fp8_are_errors(getkey):
     with pytest.raises(ValueError, match=r"`up_proj` uses Haliax's own Fp8DotGeneralOp"):
         fp8ax.to_serving(hq)
     with pytest.raises(ValueError, match=r"`up_proj` keeps its weight in high precision"):
-        fp8ax.to_serving(fp8ax.fp8_linear_layers(plain, fp8ax.Fp8Config(recipe=fp8ax.CurrentScaling(),
-                                                                          rhs_recipe="off")))
+        fp8ax.to_serving(
+            fp8ax.fp8_linear_layers(plain, fp8ax.Fp8Config(recipe=fp8ax.CurrentScaling(), rhs_recipe="off"))
+        )
 
 
 def test_cast_floating_leaves_serving_scales_alone(getkey):

@@ -122,7 +122,11 @@ def test_layer_under_vmap_and_scan(getkey):
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_non_finite_values_never_enter_the_state(operand, bad, getkey):
     dg = _trained(getkey)
-    x, w, gy = jax.random.normal(getkey(), (4, 8)), jax.random.normal(getkey(), (8, 3)), jax.random.normal(getkey(), (4, 3))
+    x, w, gy = (
+        jax.random.normal(getkey(), (4, 8)),
+        jax.random.normal(getkey(), (8, 3)),
+        jax.random.normal(getkey(), (4, 3)),
+    )
     clean = {"lhs": x, "rhs": w, "grad": gy}
     poisoned = dict(clean)
     poisoned[operand] = clean[operand].at[1, 2].set(bad)
@@ -219,8 +223,9 @@ def test_nan_in_a_large_tensor_observes_nothing(getkey):
     # The input observed nothing: its "new state" is the no-observation marker (scale 0,
     # zero newest entry), which `apply_updates` turns into the old state.
     assert got["lhs"][0] == 0 and got["lhs"][1][0] == 0
-    new = fp8ax.apply_updates(dg, None, fp8ax.partition_for_grad_overwrite(
-        eqx.filter_grad(lambda dg: jnp.sum(dg(x, w, DIMS) * gy))(dg))[0])
+    new = fp8ax.apply_updates(
+        dg, None, fp8ax.partition_for_grad_overwrite(eqx.filter_grad(lambda dg: jnp.sum(dg(x, w, DIMS) * gy))(dg))[0]
+    )
     np.testing.assert_array_equal(np.asarray(new.lhs.amax_history), np.asarray(dg.lhs.amax_history))
     np.testing.assert_array_equal(np.asarray(new.lhs.scale), np.asarray(dg.lhs.scale))
     # The weight's observation is unaffected.

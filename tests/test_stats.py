@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import Batch, Deep, In, Layers, Out, mse, sgd_step
 
 import fp8ax
+from helpers import Batch, Deep, In, Layers, Out, mse, sgd_step
 
 E4M3_MAX = 448.0
 
@@ -24,8 +24,12 @@ E4M3_MAX = 448.0
 def _dg_with_history(lhs_amax: float, rhs_amax: float) -> fp8ax.Fp8DotGeneral:
     dg = fp8ax.Fp8DotGeneral.init(fp8ax.DelayedScaling(history_length=4))
     hist = lambda a: fp8ax.ScalingState(jnp.float32(1.0), jnp.array([a, 0.5 * a, 0.0, 0.0], jnp.float32))  # noqa: E731
-    return eqx.tree_at(lambda d: (d.lhs, d.rhs), dg, (hist(lhs_amax), hist(rhs_amax)),
-                       is_leaf=lambda x: isinstance(x, fp8ax.ScalingState))
+    return eqx.tree_at(
+        lambda d: (d.lhs, d.rhs),
+        dg,
+        (hist(lhs_amax), hist(rhs_amax)),
+        is_leaf=lambda x: isinstance(x, fp8ax.ScalingState),
+    )
 
 
 def _reference(x, history_max):
@@ -64,7 +68,10 @@ def test_state_only_and_the_keys(getkey):
     model = fp8ax.fp8_linear_layers(eqx.nn.MLP(4, 3, 16, 1, key=getkey()))
     stats = fp8ax.scaling_stats(model)
     assert sorted(stats) == sorted(
-        f"layers.{i}/{t}/{s}" for i in (0, 1) for t in ("lhs", "rhs", "grad") for s in ("scale", "amax", "amax_history_max")
+        f"layers.{i}/{t}/{s}"
+        for i in (0, 1)
+        for t in ("lhs", "rhs", "grad")
+        for s in ("scale", "amax", "amax_history_max")
     )
     assert all(v == (1.0 if k.endswith("scale") else 0.0) for k, v in stats.items())  # fresh state
 
@@ -131,7 +138,9 @@ def test_plot_amax_history(getkey, tmp_path):
     assert out == tmp_path / "sub" / "amax.png" and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="`tensors` must name some of"):
         fp8ax.plot_amax_history(model, tmp_path / "x.png", tensors=("weights",))
-    stateless = fp8ax.fp8_linear_layers(eqx.nn.Linear(4, 4, key=getkey()), fp8ax.Fp8Config(recipe=fp8ax.CurrentScaling()))
+    stateless = fp8ax.fp8_linear_layers(
+        eqx.nn.Linear(4, 4, key=getkey()), fp8ax.Fp8Config(recipe=fp8ax.CurrentScaling())
+    )
     with pytest.raises(ValueError, match="`model` has no FP8 state to plot"):
         fp8ax.plot_amax_history(stateless, tmp_path / "x.png")
 

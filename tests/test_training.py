@@ -62,8 +62,9 @@ def haliax_setup():
         return hax.mean(d * d).scalar()
 
     k1, k2 = jax.random.split(jax.random.key(1))
-    model = fp8ax.cast_floating(Mlp(hax.nn.Linear.init(In, Hidden, key=k1), hax.nn.Linear.init(Hidden, Out, key=k2)),
-                                jnp.bfloat16)
+    model = fp8ax.cast_floating(
+        Mlp(hax.nn.Linear.init(In, Hidden, key=k1), hax.nn.Linear.init(Hidden, Out, key=k2)), jnp.bfloat16
+    )
     return model, loss_fn, batches, _train(model, loss_fn, batches, 300)
 
 
@@ -111,8 +112,9 @@ RECIPES = [
 
 
 @pytest.mark.needs_hax_dot
-@pytest.mark.parametrize("recipe,tolerance", RECIPES, ids=lambda v: repr(v).split("(")[0] if not isinstance(
-    v, float) else str(v))
+@pytest.mark.parametrize(
+    "recipe,tolerance", RECIPES, ids=lambda v: repr(v).split("(")[0] if not isinstance(v, float) else str(v)
+)
 def test_each_recipe_trains_like_bf16(recipe, tolerance, haliax_setup):
     model, loss_fn, batches, bf16 = haliax_setup
     low = _train(fp8ax.fp8_linear_layers(model, fp8ax.Fp8Config(recipe=recipe)), loss_fn, batches, 300)

@@ -1,6 +1,7 @@
 """fp8_linear_layers, Fp8Config and Fp8Linear."""
 
 import dataclasses
+
 import equinox as eqx
 import haliax as hax
 import haliax.quantization as haxq
@@ -8,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import Batch, Block, Deep, HaliaxMLP, In, Layers, Mid, Out, mse, sgd_step, sqnr
 
 import fp8ax
+from helpers import Batch, Block, Deep, HaliaxMLP, In, Layers, Mid, Out, mse, sgd_step, sqnr
 
 
 def _converted_paths(model):
@@ -74,7 +75,7 @@ def test_every_list_entry_must_match(getkey):
         fp8ax.fp8_linear_layers(mlp, fp8ax.Fp8Config(targets=["layers.1", "nothing_like_it"]))
     # Every entry matching is fine, and a duplicate is not an error.
     m = fp8ax.fp8_linear_layers(mlp, fp8ax.Fp8Config(targets=["layers.0", "2", "layers.0"]))
-    assert [isinstance(l, fp8ax.Fp8Linear) for l in m.layers] == [True, False, True]
+    assert [isinstance(layer, fp8ax.Fp8Linear) for layer in m.layers] == [True, False, True]
 
 
 def test_regex_must_fullmatch(getkey):
@@ -251,7 +252,10 @@ def test_fp8_all_gather_config(getkey):
     x = hax.random.normal(getkey(), (Batch, In))
     plain = fp8ax.fp8_linear_layers(Deep.init(key=getkey()))
     dg = plain.blocks.stacked.mlp.up_proj.dot_general
-    flagged = eqx.tree_at(lambda t: t.blocks.stacked.mlp.up_proj.dot_general, plain,
-                          dataclasses.replace(dg, fp8_all_gather_axes=up.dot_general.fp8_all_gather_axes))
+    flagged = eqx.tree_at(
+        lambda t: t.blocks.stacked.mlp.up_proj.dot_general,
+        plain,
+        dataclasses.replace(dg, fp8_all_gather_axes=up.dot_general.fp8_all_gather_axes),
+    )
     assert flagged.blocks.stacked.mlp.up_proj.dot_general.fp8_all_gather_axes is not None
     np.testing.assert_array_equal(np.asarray(flagged(x).array), np.asarray(plain(x).array))

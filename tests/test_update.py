@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from helpers import Batch, HaliaxMLP, In, Mid, Out, mse, with_settings_of
 
 import fp8ax
+from helpers import Batch, HaliaxMLP, In, Mid, Out, mse, with_settings_of
 
 
 def _data(getkey):
@@ -105,7 +105,8 @@ class TwoHeads(eqx.Module):
 def test_unused_layer_keeps_its_state(getkey):
     ks = jax.random.split(getkey(), 3)
     model = TwoHeads(
-        hax.nn.Linear.init(In, Mid, key=ks[0]), hax.nn.Linear.init(Mid, Out, key=ks[1]),
+        hax.nn.Linear.init(In, Mid, key=ks[0]),
+        hax.nn.Linear.init(Mid, Out, key=ks[1]),
         hax.nn.Linear.init(Mid, Out, key=ks[2]),
     )
     model = fp8ax.fp8_linear_layers(model)
@@ -156,8 +157,9 @@ def test_interop_with_haliax_helpers(getkey):
 def test_clip_by_global_norm_does_not_see_state(getkey):
     model = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
     plain = HaliaxMLP.init(key=getkey())
-    plain = eqx.tree_at(lambda m: (m.up_proj.weight, m.down_proj.weight), plain,
-                        (model.up_proj.weight, model.down_proj.weight))
+    plain = eqx.tree_at(
+        lambda m: (m.up_proj.weight, m.down_proj.weight), plain, (model.up_proj.weight, model.down_proj.weight)
+    )
     x, y = _data(getkey)
     _, grads = fp8ax.partition_for_grad_overwrite(eqx.filter_grad(mse)(model, x, y))
     plain_grads = eqx.filter_grad(mse)(plain, x, y)
@@ -187,15 +189,20 @@ def test_apply_updates_with_overwrite_none(getkey):
     m = fp8ax.fp8_linear_layers(eqx.nn.MLP(4, 2, 8, 1, key=getkey()))
     grads = eqx.filter_grad(lambda m: jnp.sum(m(jnp.ones(4))))(m)
     _, grads = fp8ax.partition_for_grad_overwrite(grads)
-    with pytest.raises(ValueError, match=r"`overwrite` is None, but the model has FP8 layers \(.layers\[0\]"
-                                         r".dot_general.*fp8ax.partition_for_grad_overwrite"):
+    with pytest.raises(
+        ValueError,
+        match=r"`overwrite` is None, but the model has FP8 layers \(.layers\[0\]"
+        r".dot_general.*fp8ax.partition_for_grad_overwrite",
+    ):
         fp8ax.apply_updates(m, grads, None)
     # A model without FP8 layers: None is fine and means "no state", as eqx.apply_updates.
     plain = eqx.nn.MLP(4, 2, 8, 1, key=getkey())
     updates = jax.tree.map(lambda x: 0.5 * x, eqx.filter(plain, eqx.is_inexact_array))
     got = fp8ax.apply_updates(plain, updates, None)
     want = eqx.apply_updates(plain, updates)
-    for a, b in zip(jax.tree.leaves(eqx.filter(got, eqx.is_array)), jax.tree.leaves(eqx.filter(want, eqx.is_array)), strict=True):
+    for a, b in zip(
+        jax.tree.leaves(eqx.filter(got, eqx.is_array)), jax.tree.leaves(eqx.filter(want, eqx.is_array)), strict=True
+    ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
@@ -249,7 +256,9 @@ def test_corrupt_state_values_are_an_error(bad, getkey):
     }[bad]
     broken = eqx.tree_at(where, dg, value)
     # The gradient's state is read in the backward pass.
-    call = (lambda d: jax.grad(lambda x: jnp.sum(d(x, w, dims)))(x)) if bad == "zero-scale" else (lambda d: d(x, w, dims))
+    call = (
+        (lambda d: jax.grad(lambda x: jnp.sum(d(x, w, dims)))(x)) if bad == "zero-scale" else (lambda d: d(x, w, dims))
+    )
     with pytest.raises(Exception, match="fp8ax.apply_updates"):
         jax.block_until_ready(eqx.filter_jit(call)(broken))
 
@@ -347,8 +356,11 @@ def test_a_corrupt_ensemble_member_is_an_error(getkey):
     # converted ensemble does).
     ens = with_settings_of(fresh, ens)
     assert ens.layers[1].dot_general.recipe.calibrate_first_call
-    broken = eqx.tree_at(lambda m: m.layers[1].dot_general.rhs.amax_history, ens,
-                         ens.layers[1].dot_general.rhs.amax_history.at[2, 4].set(-1.0))
+    broken = eqx.tree_at(
+        lambda m: m.layers[1].dot_general.rhs.amax_history,
+        ens,
+        ens.layers[1].dot_general.rhs.amax_history.at[2, 4].set(-1.0),
+    )
     with pytest.raises(Exception, match="fp8ax.apply_updates"):
         jax.block_until_ready(eqx.filter_jit(loss)(broken))
     jax.block_until_ready(eqx.filter_jit(loss)(ens))  # the intact ensemble runs

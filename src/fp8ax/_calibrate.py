@@ -61,7 +61,9 @@ def calibrate(model: T, loss_fn: Callable[..., Any], batches: Iterable[Any], *, 
         ```
     """
     if not callable(loss_fn):
-        raise TypeError(f"`loss_fn` must be a callable `loss_fn(model, *batch) -> scalar`, got {type(loss_fn).__name__}.")
+        raise TypeError(
+            f"`loss_fn` must be a callable `loss_fn(model, *batch) -> scalar`, got {type(loss_fn).__name__}."
+        )
     if not isinstance(keep_first_call, bool):
         raise TypeError(f"`keep_first_call` must be a bool, got {keep_first_call!r}.")
     stateful = [dg for dg in jtu.tree_leaves(model, is_leaf=_is_dg) if _is_dg(dg) and dg.lhs is not None]

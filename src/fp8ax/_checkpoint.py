@@ -9,7 +9,7 @@
 # layer, and the error says what to call.
 
 import pathlib
-from typing import Any, BinaryIO, TypeVar
+from typing import BinaryIO, TypeVar
 
 import equinox as eqx
 import haliax as hax

@@ -77,9 +77,15 @@ class Fp8Config(eqx.Module):
         """
         self.targets = _check_targets(targets)
         gemm_kwargs = dict(
-            compute_dtype=compute_dtype, fwd_precision=fwd_precision, dlhs_precision=dlhs_precision,
-            drhs_precision=drhs_precision, lhs_recipe=lhs_recipe, rhs_recipe=rhs_recipe, grad_recipe=grad_recipe,
-            high_precision_gemms=tuple(high_precision_gemms) if not isinstance(high_precision_gemms, str)
+            compute_dtype=compute_dtype,
+            fwd_precision=fwd_precision,
+            dlhs_precision=dlhs_precision,
+            drhs_precision=drhs_precision,
+            lhs_recipe=lhs_recipe,
+            rhs_recipe=rhs_recipe,
+            grad_recipe=grad_recipe,
+            high_precision_gemms=tuple(high_precision_gemms)
+            if not isinstance(high_precision_gemms, str)
             else high_precision_gemms,
         )
         if settings is None:
@@ -156,4 +162,3 @@ def _check_targets(targets):
         "`targets` must be None, a list of layer names, a regular expression string or a callable "
         f"(path, layer) -> bool, got {type(targets).__name__}."
     )
-

@@ -313,8 +313,9 @@ class Int8Scaling(AbstractStatelessRecipe):
         return QuantizedArray(stochastic_round(scaled, jnp.int8, key), scale)
 
 
-def quantize(x, recipe: AbstractStatelessRecipe, axis: int | tuple[int, ...] = -1, *, grad: bool = False,
-             key=None) -> QuantizedArray:
+def quantize(
+    x, recipe: AbstractStatelessRecipe, axis: int | tuple[int, ...] = -1, *, grad: bool = False, key=None
+) -> QuantizedArray:
     """Quantises an array with a recipe, outside any GEMM (for inspection and serving).
 
     **Arguments:**

@@ -84,4 +84,3 @@ def pmean_gradients(grads: T, axis_name: str | Sequence[str]) -> T:
         return reduce(node, lax.pmean)
 
     return jtu.tree_map(reduce_node, grads, is_leaf=lambda x: x is None or _is_owg(x))
-

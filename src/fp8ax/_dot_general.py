@@ -78,10 +78,12 @@ class Fp8DotGeneral(OverwriteWithGradient):
     lhs_recipe = property(lambda self: self.settings.lhs_recipe, doc="`settings.lhs_recipe`.")
     rhs_recipe = property(lambda self: self.settings.rhs_recipe, doc="`settings.rhs_recipe`.")
     grad_recipe = property(lambda self: self.settings.grad_recipe, doc="`settings.grad_recipe`.")
-    high_precision_gemms = property(lambda self: self.settings.high_precision_gemms,
-                                    doc="`settings.high_precision_gemms`.")
-    fp8_all_gather_axes = property(lambda self: self.settings.fp8_all_gather_axes,
-                                   doc="`settings.fp8_all_gather_axes`.")
+    high_precision_gemms = property(
+        lambda self: self.settings.high_precision_gemms, doc="`settings.high_precision_gemms`."
+    )
+    fp8_all_gather_axes = property(
+        lambda self: self.settings.fp8_all_gather_axes, doc="`settings.fp8_all_gather_axes`."
+    )
 
     @classmethod
     def init(
@@ -118,9 +120,16 @@ class Fp8DotGeneral(OverwriteWithGradient):
         """
         if settings is None:
             settings = GemmSettings(
-                recipe, mode, compute_dtype=compute_dtype, fwd_precision=fwd_precision,
-                dlhs_precision=dlhs_precision, drhs_precision=drhs_precision, lhs_recipe=lhs_recipe,
-                rhs_recipe=rhs_recipe, grad_recipe=grad_recipe, high_precision_gemms=high_precision_gemms,
+                recipe,
+                mode,
+                compute_dtype=compute_dtype,
+                fwd_precision=fwd_precision,
+                dlhs_precision=dlhs_precision,
+                drhs_precision=drhs_precision,
+                lhs_recipe=lhs_recipe,
+                rhs_recipe=rhs_recipe,
+                grad_recipe=grad_recipe,
+                high_precision_gemms=high_precision_gemms,
                 fp8_all_gather_axes=fp8_all_gather_axes,
             )
         elif not isinstance(settings, GemmSettings):
@@ -169,8 +178,17 @@ class Fp8DotGeneral(OverwriteWithGradient):
         if any(state_is_max):
             check_eager_shard_map()
         call = make_call(
-            st, lhs.shape, np.dtype(lhs.dtype), rhs.shape, np.dtype(rhs.dtype), dimension_numbers, precision,
-            preferred_element_type, state_is_max=state_is_max, lhs_vma=vma(lhs), rhs_vma=vma(rhs),
+            st,
+            lhs.shape,
+            np.dtype(lhs.dtype),
+            rhs.shape,
+            np.dtype(rhs.dtype),
+            dimension_numbers,
+            precision,
+            preferred_element_type,
+            state_is_max=state_is_max,
+            lhs_vma=vma(lhs),
+            rhs_vma=vma(rhs),
         )
         return quantized_dot(call, lhs, rhs, *raw)
 
@@ -207,7 +225,9 @@ class Fp8DotGeneral(OverwriteWithGradient):
         else:  # concrete (`calibrate`, an eager update): what the data says
             filled = all(bool(np.all(np.max(np.asarray(h), axis=-1) > 0)) for h in histories)
             base = self._settled() if filled else self
-        return eqx.tree_at(lambda m: (m.lhs, m.rhs, m.grad), base, states, is_leaf=lambda x: isinstance(x, ScalingState))
+        return eqx.tree_at(
+            lambda m: (m.lhs, m.rhs, m.grad), base, states, is_leaf=lambda x: isinstance(x, ScalingState)
+        )
 
     def _settled(self) -> "Fp8DotGeneral":
         """This layer without first-call calibration: `DelayedScaling(calibrate_first_call=
@@ -248,8 +268,18 @@ class Fp8DotGeneral(OverwriteWithGradient):
 
 
 def make_call(
-    settings, lhs_shape, lhs_dtype, rhs_shape, rhs_dtype, dimension_numbers, precision, preferred_element_type,
-    *, state_is_max: tuple, lhs_vma, rhs_vma,
+    settings,
+    lhs_shape,
+    lhs_dtype,
+    rhs_shape,
+    rhs_dtype,
+    dimension_numbers,
+    precision,
+    preferred_element_type,
+    *,
+    state_is_max: tuple,
+    lhs_vma,
+    rhs_vma,
 ) -> Call:
     """The static description of one GEMM call (checked dimension numbers, output dtype,
     forward precision), shared by [`fp8ax.Fp8DotGeneral`][] and the serving dot general.

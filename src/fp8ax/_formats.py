@@ -8,8 +8,7 @@ from jaxtyping import Array, ArrayLike
 
 # The 8-bit floating-point formats fp8ax quantises to.
 FP8_DTYPES: tuple[np.dtype, ...] = tuple(
-    np.dtype(t)
-    for t in (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz)
+    np.dtype(t) for t in (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz)
 )
 
 
@@ -145,8 +144,10 @@ def amax(x: ArrayLike, axes: tuple[int, ...] | None = None, *, keepdims: bool = 
     x = _as_array(x)
     axes = tuple(range(x.ndim)) if axes is None else tuple(sorted({a % x.ndim for a in axes}))
     return lax.platform_dependent(
-        x, cpu=functools.partial(_amax_nan_as_inf, axes=axes, keepdims=keepdims),
-        default=functools.partial(_amax_plain, axes=axes, keepdims=keepdims))
+        x,
+        cpu=functools.partial(_amax_nan_as_inf, axes=axes, keepdims=keepdims),
+        default=functools.partial(_amax_plain, axes=axes, keepdims=keepdims),
+    )
 
 
 def max_min(hi: Array, lo: Array, axes: tuple[int, ...]) -> tuple[Array, Array]:

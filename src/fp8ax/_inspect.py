@@ -248,8 +248,13 @@ def _issued_by_fp8ax(name: str, frames: tuple[str, ...]) -> bool:
 # Library frames that only pass a call on (jit and grad wrappers, Haliax's named-axis
 # dot): a location names the code that asked for the matmul, not these.
 _PLUMBING = (
-    "equinox/_jit.py", "equinox/_ad.py", "equinox/_vmap_pmap.py", "equinox/_module/", "haliax/jax_utils.py",
-    "haliax/_src/", "haliax/core.py",
+    "equinox/_jit.py",
+    "equinox/_ad.py",
+    "equinox/_vmap_pmap.py",
+    "equinox/_module/",
+    "haliax/jax_utils.py",
+    "haliax/_src/",
+    "haliax/core.py",
 )
 
 
@@ -268,8 +273,9 @@ def _lowered_gemms(text: str) -> tuple[Gemm, ...]:
         lhs, rhs = (_mlir_type(f"tensor<{t}>") for t in (types + ["", ""])[:2])
         name, frames = locs.resolve(loc)
         fp8ax = _issued_by_fp8ax(name, frames)
-        out.append(Gemm(lhs, rhs, _mlir_type(result), bool(_FP8_TYPE.search(operands)), fp8ax, name,
-                        _location(frames), frames))
+        out.append(
+            Gemm(lhs, rhs, _mlir_type(result), bool(_FP8_TYPE.search(operands)), fp8ax, name, _location(frames), frames)
+        )
     return tuple(out)
 
 
@@ -365,8 +371,13 @@ def gemm_report(fn: Callable, *args, **kwargs) -> GemmReport:
     low = _lowered_gemms(lowered.as_text(debug_info=True))
     compiled = _compiled_gemms(compiled_text, low)
     return GemmReport(
-        backend=_platform(lowered), lowered_fp8=lf, lowered_total=lt, compiled_fp8=sum(g.fp8 for g in compiled),
-        compiled_total=len(compiled), lowered=low, compiled=compiled,
+        backend=_platform(lowered),
+        lowered_fp8=lf,
+        lowered_total=lt,
+        compiled_fp8=sum(g.fp8 for g in compiled),
+        compiled_total=len(compiled),
+        lowered=low,
+        compiled=compiled,
     )
 
 

@@ -14,6 +14,7 @@ INT8_MAX = 127
 # float32 (and amax / 127 would be subnormal, which XLA may flush to zero).
 _TINY_AMAX = INT8_MAX * float(np.finfo(np.float32).tiny)
 
+
 def int8_quantize(x: ArrayLike, contracting_axes: tuple[int, ...]) -> tuple[Array, Array]:
     """Symmetric per-slice int8 quantisation, as AQT's simplest int8 configuration.
 

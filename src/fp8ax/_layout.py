@@ -96,9 +96,15 @@ def bwd_layout(dims, l_ndim, r_ndim) -> BwdLayout:
     lc_of_rc = tuple(lc[rc.index(d)] for d in sorted(rc))
     rc_of_lc = tuple(rc[lc.index(d)] for d in sorted(lc))
     return BwdLayout(
-        l_free, r_free, g_batch, g_lfree, g_rfree,
-        dlhs_ab=tuple(lb) + l_free + lc_of_rc, dlhs_ba=tuple(lb) + lc_of_rc + l_free,
-        drhs_ab=tuple(rb) + rc_of_lc + r_free, drhs_ba=tuple(rb) + r_free + rc_of_lc,
+        l_free,
+        r_free,
+        g_batch,
+        g_lfree,
+        g_rfree,
+        dlhs_ab=tuple(lb) + l_free + lc_of_rc,
+        dlhs_ba=tuple(lb) + lc_of_rc + l_free,
+        drhs_ab=tuple(rb) + rc_of_lc + r_free,
+        drhs_ba=tuple(rb) + r_free + rc_of_lc,
     )
 
 

@@ -76,8 +76,10 @@ def _require_extended_dtypes():
             if not hasattr(module, name):
                 raise ImportError(f"{module.__name__}.{name} does not exist")
         # jax._src.earray registers EArray with these; `_MaxF32Array` copies the entries.
-        for name, registry in [("interpreters.pxla.shard_arg_handlers", pxla.shard_arg_handlers),
-                               ("core.pytype_aval_mappings", core.pytype_aval_mappings)]:
+        for name, registry in [
+            ("interpreters.pxla.shard_arg_handlers", pxla.shard_arg_handlers),
+            ("core.pytype_aval_mappings", core.pytype_aval_mappings),
+        ]:
             if earray.EArray not in registry:
                 raise ImportError(f"EArray is not in jax._src.{name}")
     except ImportError as e:

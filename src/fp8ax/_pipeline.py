@@ -136,14 +136,21 @@ def _grad_once(call: Call) -> bool:
     tensor-wise, round-to-nearest recipe (and a stateful recipe observes it once)."""
     recipe = call.settings.operand_recipe("grad")
     hp = call.settings.high_precision_gemms
-    return (recipe is not None and recipe.scale_layout == "tensor" and not _stochastic(recipe)
-            and not ("dlhs" in hp and "drhs" in hp))
+    return (
+        recipe is not None
+        and recipe.scale_layout == "tensor"
+        and not _stochastic(recipe)
+        and not ("dlhs" in hp and "drhs" in hp)
+    )
 
 
 # The three GEMMs of a call: (name, its operands in order, the dtype it writes).
 def _gemms(call: Call):
-    return (("fwd", "lhs", "rhs", call.out_dtype), ("dlhs", "grad", "rhs", call.lhs_dtype),
-            ("drhs", "lhs", "grad", call.rhs_dtype))
+    return (
+        ("fwd", "lhs", "rhs", call.out_dtype),
+        ("dlhs", "grad", "rhs", call.lhs_dtype),
+        ("drhs", "lhs", "grad", call.rhs_dtype),
+    )
 
 
 def _role_dtype(call: Call, role: str) -> np.dtype:
@@ -191,8 +198,10 @@ def _epilogue_scaled(call: Call, name: str, a: str, b: str, out_dtype) -> bool:
     if st.mode != "direct" or name in st.high_precision_gemms:
         return False
     dtypes = [np.dtype(_role_dtype(call, r)) for r in (a, b)]
-    return (all(d.itemsize == 1 and jnp.issubdtype(d, jnp.floating) for d in dtypes)
-            and np.dtype(out_dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)))
+    return all(d.itemsize == 1 and jnp.issubdtype(d, jnp.floating) for d in dtypes) and np.dtype(out_dtype) in (
+        np.dtype(jnp.bfloat16),
+        np.dtype(jnp.float16),
+    )
 
 
 def _reusable(call: Call, role: str, q) -> bool:
@@ -216,8 +225,10 @@ def _low_precision_pair(qa, qb) -> str | None:
 def _epilogue_dtype(qa, qb, out_dtype) -> bool:
     """Whether the scales of an FP8 GEMM go into its epilogue in `out_dtype`: two
     tensor-wise scales and a 16-bit floating output."""
-    return (np.ndim(qa.scale) == np.ndim(qb.scale) == 0
-            and np.dtype(out_dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16)))
+    return np.ndim(qa.scale) == np.ndim(qb.scale) == 0 and np.dtype(out_dtype) in (
+        np.dtype(jnp.bfloat16),
+        np.dtype(jnp.float16),
+    )
 
 
 def _f32(x):
@@ -227,7 +238,8 @@ def _f32(x):
 def _fp8_pair(qa, qb) -> bool:
     return all(
         q is not None and np.dtype(q.values.dtype).itemsize == 1 and jnp.issubdtype(q.values.dtype, jnp.floating)
-        for q in (qa, qb))
+        for q in (qa, qb)
+    )
 
 
 def _dequantise(q: QuantizedArray, dtype):
@@ -299,7 +311,8 @@ def _fwd(call: Call, lhs, rhs, *raw):
     ql = qr = new_l = new_r = None
     if "fwd" not in st.high_precision_gemms:
         (ql, new_l), (qr, new_r) = _quantise_together(
-            call, [("lhs", lhs, lc, states["lhs"], None, plans["lhs"]), ("rhs", rhs, rc, states["rhs"], None, plans["rhs"])]
+            call,
+            [("lhs", lhs, lc, states["lhs"], None, plans["lhs"]), ("rhs", rhs, rc, states["rhs"], None, plans["rhs"])],
         )
         if qr is not None and states["rhs"] is not None and st.fp8_all_gather_axes is not None:
             qr = QuantizedArray(_lay_out_by_axis_mapping(qr.values, st.fp8_all_gather_axes), qr.scale)
@@ -318,8 +331,10 @@ def _fwd(call: Call, lhs, rhs, *raw):
     res_r = qr if _reusable(call, "rhs", qr) and "dlhs" not in st.high_precision_gemms else rhs
     # The backward GEMMs' output scales, where the forward copy they reuse is planned
     # (the gradient's side is checked in `_bwd`).
-    bwd_scales = (products.get("dlhs") if res_r is qr and is_planned(qr, "rhs") else None,
-                  products.get("drhs") if res_l is ql and is_planned(ql, "lhs") else None)
+    bwd_scales = (
+        products.get("dlhs") if res_r is qr and is_planned(qr, "rhs") else None,
+        products.get("drhs") if res_l is ql and is_planned(ql, "lhs") else None,
+    )
     return out, (res_l, res_r, new_l, new_r, states["grad"], plans["grad"], bwd_scales)
 
 
@@ -340,8 +355,7 @@ def _bwd(call: Call, residuals, g):
     shared_g, new_g = None, None
     if _grad_once(call):
         shared_g, new_g = _quantise(call, "grad", g, lay.g_rfree, g_state, plan=g_plan)
-    g_planned = g_plan is not None and shared_g is not None and (
-        shared_g.scale is grad_recipe.planned_scale(g_plan))
+    g_planned = g_plan is not None and shared_g is not None and (shared_g.scale is grad_recipe.planned_scale(g_plan))
     if not g_planned:
         dlhs_scale = drhs_scale = None
 
@@ -349,11 +363,20 @@ def _bwd(call: Call, residuals, g):
     if "dlhs" in hp:
         (qg1, g1), (qr1, r1) = (None, g), (None, res_r)
     else:
-        qg1, g1 = (shared_g, g) if shared_g is not None else (_quantise(call, "grad", g, lay.g_rfree, key=keys[0])[0], g)
+        qg1, g1 = (
+            (shared_g, g) if shared_g is not None else (_quantise(call, "grad", g, lay.g_rfree, key=keys[0])[0], g)
+        )
         qr1, r1 = _operand(call, "rhs", res_r, lay.r_free)
     dlhs_scale = dlhs_scale if (qg1 is shared_g and qr1 is res_r) else None
-    dlhs = oriented_gemm(_gemm_fn(call, qg1, g1, qr1, r1, st.dlhs_precision, call.lhs_dtype, dlhs_scale),
-                         lay.g_rfree, lay.r_free, lay.g_batch, rb, lay.dlhs_ab, lay.dlhs_ba)
+    dlhs = oriented_gemm(
+        _gemm_fn(call, qg1, g1, qr1, r1, st.dlhs_precision, call.lhs_dtype, dlhs_scale),
+        lay.g_rfree,
+        lay.r_free,
+        lay.g_batch,
+        rb,
+        lay.dlhs_ab,
+        lay.dlhs_ba,
+    )
     drhs = _batchable_drhs(call)(res_l, res_r, g, shared_g, drhs_scale, keys[1])
     # Inside `jax.shard_map` the cotangent of an operand that does not vary over a manual
     # axis (a replicated weight) is summed over it, as JAX's own `dot_general` does.
@@ -362,7 +385,9 @@ def _bwd(call: Call, residuals, g):
     if not call.state_is_max:
         return dlhs, drhs
     new = [v for pair in (new_l, new_r, new_g) for v in pair]
-    cts = tuple(raw_to_max(v.astype(jnp.float32)) if m else v.astype(jnp.float32) for v, m in zip(new, call.state_is_max))
+    cts = tuple(
+        raw_to_max(v.astype(jnp.float32)) if m else v.astype(jnp.float32) for v, m in zip(new, call.state_is_max)
+    )
     return (dlhs, drhs, *cts)
 
 
@@ -401,13 +426,20 @@ def _drhs(call: Call, res_l, res_r, g, shared_g, scale, key):
     (_, _), (lb, _) = call.dims
     lay = bwd_layout(call.dims, _ndim(res_l), _ndim(res_r))
     if "drhs" in st.high_precision_gemms:
-        (ql, l), (qg, g2) = (None, res_l), (None, g)
+        (ql, lhs), (qg, g2) = (None, res_l), (None, g)
     else:
-        ql, l = _operand(call, "lhs", res_l, lay.l_free)
+        ql, lhs = _operand(call, "lhs", res_l, lay.l_free)
         qg, g2 = (shared_g, g) if shared_g is not None else (_quantise(call, "grad", g, lay.g_lfree, key=key)[0], g)
     scale = scale if (ql is res_l and shared_g is not None and qg is shared_g) else None
-    return oriented_gemm(_gemm_fn(call, ql, l, qg, g2, st.drhs_precision, call.rhs_dtype, scale),
-                         lay.l_free, lay.g_lfree, lb, lay.g_batch, lay.drhs_ab, lay.drhs_ba)
+    return oriented_gemm(
+        _gemm_fn(call, ql, lhs, qg, g2, st.drhs_precision, call.rhs_dtype, scale),
+        lay.l_free,
+        lay.g_lfree,
+        lb,
+        lay.g_batch,
+        lay.drhs_ab,
+        lay.drhs_ba,
+    )
 
 
 @functools.cache
@@ -449,7 +481,8 @@ def _batchable_drhs(call: Call):
             _warn_per_example(call)
         axes = jax.tree.map(lambda b: 0 if b else None, in_batched)
         out = jax.vmap(functools.partial(_drhs, call), in_axes=axes, axis_size=axis_size)(
-            res_l, res_r, g, shared_g, scale, key)
+            res_l, res_r, g, shared_g, scale, key
+        )
         return out, True
 
     return drhs

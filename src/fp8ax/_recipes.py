@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import equinox as eqx
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -60,7 +59,9 @@ def _as_operands(operands) -> list[Operand]:
     operands = list(operands)
     for op in operands:
         if not isinstance(op, Operand):
-            raise TypeError(f"`operands` must be a sequence of `fp8ax.Operand`, got an element of type {type(op).__name__}.")
+            raise TypeError(
+                f"`operands` must be a sequence of `fp8ax.Operand`, got an element of type {type(op).__name__}."
+            )
     return operands
 
 
@@ -403,9 +404,7 @@ class DelayedScaling(AbstractScalingRecipe):
         if self.margin < 0:
             raise ValueError(f"`margin` must be >= 0, got {self.margin}.")
         if self.amax_compute_algo not in ("max", "most_recent"):
-            raise ValueError(
-                f"`amax_compute_algo` must be 'max' or 'most_recent', got {self.amax_compute_algo!r}."
-            )
+            raise ValueError(f"`amax_compute_algo` must be 'max' or 'most_recent', got {self.amax_compute_algo!r}.")
         if not isinstance(self.calibrate_first_call, bool):
             raise TypeError(f"`calibrate_first_call` must be a bool, got {self.calibrate_first_call!r}.")
 
@@ -553,7 +552,9 @@ class DelayedScaling(AbstractScalingRecipe):
                     past = _formats.select(lax.ge(p.lowest, np.float32(0)), past, lax.full_like(p.longest, 0))
                     used, inv = _fenced(self._checked(past, scale, fp8_max))
                 values = _formats.quantize(op.x, used, op.dtype, inv=inv)
-                results.append((QuantizedArray(values, used), self.next_state(used, history, op.merge(_formats.amax(op.x)))))
+                results.append(
+                    (QuantizedArray(values, used), self.next_state(used, history, op.merge(_formats.amax(op.x))))
+                )
             return results
         # The flag is the only thing computed outside the branches: each branch returns
         # every operand's scale and the scale's reciprocal, the cast's multiplier. A

@@ -123,8 +123,9 @@ class ConversionReport:
         rows = [("path", "kind", "in", "out", "decision", "reason")]
         for r in self.layers:
             kind = r.kind + (f" x{'x'.join(map(str, r.stacked))}" if r.stacked else "")
-            rows.append((r.path or "(root)", kind, _num(r.in_features), _num(r.out_features), label[r.action],
-                         r.reason))
+            rows.append(
+                (r.path or "(root)", kind, _num(r.in_features), _num(r.out_features), label[r.action], r.reason)
+            )
         widths = [max(len(row[i]) for row in rows) for i in range(5)]
         for row in rows:
             cells = [row[i].rjust(widths[i]) if i in (2, 3) else row[i].ljust(widths[i]) for i in range(5)]

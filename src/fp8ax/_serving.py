@@ -209,8 +209,17 @@ class ServingDotGeneral(eqx.Module):
         else:
             lhs_shape, lhs_dtype, rhs_shape, rhs_dtype = x.shape, np.dtype(x.dtype), w.shape, w_dtype
         call = make_call(
-            st, lhs_shape, lhs_dtype, rhs_shape, rhs_dtype, dimension_numbers, precision, preferred_element_type,
-            state_is_max=(), lhs_vma=vma(lhs), rhs_vma=vma(rhs),
+            st,
+            lhs_shape,
+            lhs_dtype,
+            rhs_shape,
+            rhs_dtype,
+            dimension_numbers,
+            precision,
+            preferred_element_type,
+            state_is_max=(),
+            lhs_vma=vma(lhs),
+            rhs_vma=vma(rhs),
         )
         s = _Serve(call, role, self.layer, self.block_axis, self.block_size, self.int_exponent)
         return _serving_gemm(s, x, w, self.weight_scale, self.input_scale)
@@ -345,7 +354,9 @@ def _check_filled(layer: str, dg: Fp8DotGeneral, stacked: str) -> None:
         if np.any(empty):
             where = ""
             if empty.ndim:
-                where = f" (stacked entries {[tuple(int(i) for i in ix) for ix in np.argwhere(empty)][:8]} of {stacked})"
+                where = (
+                    f" (stacked entries {[tuple(int(i) for i in ix) for ix in np.argwhere(empty)][:8]} of {stacked})"
+                )
             raise ValueError(
                 f"Layer `{layer}`{where} has an empty {what} amax history (`{role}`): it never saw a nonzero "
                 f"{what} with this FP8 state, so there is no delayed scale to freeze for serving. Run it on a few "
@@ -355,8 +366,9 @@ def _check_filled(layer: str, dg: Fp8DotGeneral, stacked: str) -> None:
             )
 
 
-def _convert_gemm(layer: str, dg: Fp8DotGeneral, w: Array, contracting: tuple[int, ...], n_batch: int,
-                  check: bool, stacked: str) -> tuple[Array, ServingDotGeneral]:
+def _convert_gemm(
+    layer: str, dg: Fp8DotGeneral, w: Array, contracting: tuple[int, ...], n_batch: int, check: bool, stacked: str
+) -> tuple[Array, ServingDotGeneral]:
     """The stored weight (encoded) and the serving dot general of one FP8 GEMM whose
     weight `w` (`n_batch` leading stacked dims) the training forward passes as `rhs`,
     contracting `contracting` (axes of one stacked entry)."""
@@ -415,8 +427,15 @@ def _convert_gemm(layer: str, dg: Fp8DotGeneral, w: Array, contracting: tuple[in
 
 def _convert_eqx(layer: str, lin: Fp8Linear, check: bool) -> ServingLinear:
     n_batch = lin.weight.ndim - 2
-    weight, dg = _convert_gemm(layer, lin.dot_general, lin.weight, (1,), n_batch, check,
-                               f"the leading weight dims {lin.weight.shape[:n_batch]}")
+    weight, dg = _convert_gemm(
+        layer,
+        lin.dot_general,
+        lin.weight,
+        (1,),
+        n_batch,
+        check,
+        f"the leading weight dims {lin.weight.shape[:n_batch]}",
+    )
     return ServingLinear(weight, lin.bias, dg, lin.in_features, lin.out_features, lin.use_bias)
 
 
@@ -549,6 +568,4 @@ def serving_template(model: T) -> T:
         ```
     """
     shapes = eqx.filter_eval_shape(functools.partial(_convert, check=False), model)
-    return jtu.tree_map(
-        lambda s: jnp.zeros(s.shape, s.dtype) if isinstance(s, jax.ShapeDtypeStruct) else s, shapes
-    )
+    return jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype) if isinstance(s, jax.ShapeDtypeStruct) else s, shapes)

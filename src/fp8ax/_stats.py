@@ -123,9 +123,7 @@ def _quantised_as_the_layer_does(dg: Fp8DotGeneral, role: str, x, axes) -> Quant
     scale, history = state.scale, state.amax_history
     # As the GEMM pipeline does: a first call (empty history) under `vmap` calibrates on
     # the amax of the whole batch, not of each example.
-    q, _ = recipe.quantize_operand(
-        x, axes, dtype, state=(scale, history), merge=lambda v: merged_amax(v, scale)
-    )
+    q, _ = recipe.quantize_operand(x, axes, dtype, state=(scale, history), merge=lambda v: merged_amax(v, scale))
     return q
 
 

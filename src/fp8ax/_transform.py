@@ -182,10 +182,10 @@ def decide(path: str, layer: Any, config: Fp8Config) -> Decision:
     fin, fout = _features(layer)
     if min(fin, fout) < config.min_features:
         side = "input" if fin <= fout else "output"
-        return Decision(
-            path, "skip", f"{side} size {min(fin, fout)} < `min_features` ({config.min_features})", True
-        )
-    return Decision(path, "convert", "selected by `targets`" if config.targets is not None else "every linear layer", True)
+        return Decision(path, "skip", f"{side} size {min(fin, fout)} < `min_features` ({config.min_features})", True)
+    return Decision(
+        path, "convert", "selected by `targets`" if config.targets is not None else "every linear layer", True
+    )
 
 
 def _converted(node, config: Fp8Config):
