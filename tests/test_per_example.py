@@ -117,8 +117,11 @@ def test_per_example_scales_warn_once(getkey, monkeypatch):
     monkeypatch.setattr(_pipeline, "_WARNED", set())
     lin = _linear(getkey, fp8ax.CurrentScaling())
     x = jax.random.normal(getkey(), (8, IN))
-    with pytest.warns(UserWarning, match=r"per example under `jax.vmap`.*DelayedScaling"):
+    with pytest.warns(UserWarning, match=r"per example under `jax.vmap`.*DelayedScaling") as record:
         g = jax.jit(lambda m: _grads(m, x, per_example=True))(lin)
+    # One readable line: the recipe by its name, not its multi-line repr.
+    message = str(next(w.message for w in record if "per example" in str(w.message)))
+    assert "\n" not in message and "per-example scales (CurrentScaling) is called" in message, message
     # Reference: the sum of the examples' weight gradients, one separate call each.
     wy = jnp.arange(x.shape[0] * OUT, dtype=jnp.float32).reshape(x.shape[0], OUT) / (x.shape[0] * OUT)
     ref = sum(

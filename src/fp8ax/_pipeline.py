@@ -509,8 +509,10 @@ def _warn_per_example(call: Call):
     if recipes in _WARNED:
         return
     _WARNED.add(recipes)
+    # The recipe by its class name: its repr runs over several lines.
+    names = sorted({type(call.settings.operand_recipe(r)).__name__ for r in ROLES} - {"NoneType"})
     warnings.warn(
-        f"fp8ax: a layer with per-example scales ({recipes[0]}) is called per example under "
+        f"fp8ax: a layer with per-example scales ({', '.join(names)}) is called per example under "
         "`jax.vmap`, so each example is quantised with its own scale, and its weight gradient "
         "is one GEMM per example (an outer product each), summed: much slower than one GEMM. "
         "Call the layer on the whole batch, or use a recipe whose scales the examples share "
