@@ -91,10 +91,8 @@ def _lay_out_by_axis_mapping(q, axes: tuple[str, ...] | None):
 
 
 def _operand_for(call: Call, role: str, x, axes, state=None, key=None, plan=None):
-    recipe = call.settings.operand_recipe(role)
-    dtype = recipe.grad_dtype if role == "grad" else recipe.fwd_dtype
     merge = _merge_for(state[0]) if state is not None else (lambda v: v)
-    return Operand(x, tuple(axes), dtype, state, key, merge, plan)
+    return Operand(x, tuple(axes), _role_dtype(call, role), state, key, merge, plan)
 
 
 def _quantise(call: Call, role: str, x, axes, state=None, key=None, plan=None):
@@ -158,6 +156,21 @@ def _role_dtype(call: Call, role: str) -> np.dtype:
     return recipe.grad_dtype if role == "grad" else recipe.fwd_dtype
 
 
+def _planned_scales(call: Call, plans: dict) -> dict:
+    """Each role's planned scale (`AbstractScalingRecipe.planned_scale`), None where
+    the role has no plan or its recipe plans no scale."""
+    return {r: None if plans[r] is None else call.settings.operand_recipe(r).planned_scale(plans[r]) for r in ROLES}
+
+
+def _is_fp8(dtype) -> bool:
+    dtype = np.dtype(dtype)
+    return dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
+
+
+def _is_16_bit_float(dtype) -> bool:
+    return np.dtype(dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+
 def _plans(call: Call, states: dict) -> tuple[dict, dict]:
     """Each stateful operand's plan (see `AbstractScalingRecipe.plan`): a recipe plans
     the operands it quantises with state in this call, forward ones and the gradient,
@@ -179,7 +192,7 @@ def _plans(call: Call, states: dict) -> tuple[dict, dict]:
     for recipe, idx in _by_recipe(call, roles):
         planned = recipe.plan([states[roles[i]] for i in idx], [_role_dtype(call, roles[i]) for i in idx])
         plans.update((roles[i], p) for i, p in zip(idx, planned))
-    scales = {r: call.settings.operand_recipe(r).planned_scale(plans[r]) for r in roles}
+    scales = _planned_scales(call, plans)
     if all(s is None for s in scales.values()):
         return plans, {}
     products = {}
@@ -197,11 +210,7 @@ def _epilogue_scaled(call: Call, name: str, a: str, b: str, out_dtype) -> bool:
     st = call.settings
     if st.mode != "direct" or name in st.high_precision_gemms:
         return False
-    dtypes = [np.dtype(_role_dtype(call, r)) for r in (a, b)]
-    return all(d.itemsize == 1 and jnp.issubdtype(d, jnp.floating) for d in dtypes) and np.dtype(out_dtype) in (
-        np.dtype(jnp.bfloat16),
-        np.dtype(jnp.float16),
-    )
+    return _is_fp8(_role_dtype(call, a)) and _is_fp8(_role_dtype(call, b)) and _is_16_bit_float(out_dtype)
 
 
 def _reusable(call: Call, role: str, q) -> bool:
@@ -217,7 +226,7 @@ def _low_precision_pair(qa, qb) -> str | None:
     da, db = np.dtype(qa.values.dtype), np.dtype(qb.values.dtype)
     if da == db == np.dtype(np.int8):
         return "int32"
-    if da.itemsize == db.itemsize == 1 and jnp.issubdtype(da, jnp.floating) and jnp.issubdtype(db, jnp.floating):
+    if _is_fp8(da) and _is_fp8(db):
         return "float32"
     return None
 
@@ -225,10 +234,7 @@ def _low_precision_pair(qa, qb) -> str | None:
 def _epilogue_dtype(qa, qb, out_dtype) -> bool:
     """Whether the scales of an FP8 GEMM go into its epilogue in `out_dtype`: two
     tensor-wise scales and a 16-bit floating output."""
-    return np.ndim(qa.scale) == np.ndim(qb.scale) == 0 and np.dtype(out_dtype) in (
-        np.dtype(jnp.bfloat16),
-        np.dtype(jnp.float16),
-    )
+    return np.ndim(qa.scale) == np.ndim(qb.scale) == 0 and _is_16_bit_float(out_dtype)
 
 
 def _f32(x):
@@ -236,10 +242,7 @@ def _f32(x):
 
 
 def _fp8_pair(qa, qb) -> bool:
-    return all(
-        q is not None and np.dtype(q.values.dtype).itemsize == 1 and jnp.issubdtype(q.values.dtype, jnp.floating)
-        for q in (qa, qb)
-    )
+    return all(q is not None and _is_fp8(q.values.dtype) for q in (qa, qb))
 
 
 def _dequantise(q: QuantizedArray, dtype):
@@ -318,7 +321,7 @@ def _fwd(call: Call, lhs, rhs, *raw):
             qr = QuantizedArray(_lay_out_by_axis_mapping(qr.values, st.fp8_all_gather_axes), qr.scale)
     # A GEMM's precomputed output scale serves only operands quantised with the planned
     # scales (the very arrays the plan holds).
-    planned = {r: (st.operand_recipe(r).planned_scale(plans[r]) if plans[r] is not None else None) for r in ROLES}
+    planned = _planned_scales(call, plans)
 
     def is_planned(q, role):
         return q is not None and planned[role] is not None and q.scale is planned[role]
