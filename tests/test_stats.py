@@ -64,6 +64,52 @@ def test_fractions_on_a_hand_built_tensor():
     assert all(type(v) is float for v in stats.values())
 
 
+E5M2_MAX = 57344.0
+
+
+def _grad_reference(g, history_max):
+    """(saturation, underflow) of an output gradient `g` quantised to E5M2 with delayed scaling."""
+    scale = np.float32(history_max) * np.float32(1.0 / E5M2_MAX)
+    y = np.asarray(g, np.float64) / np.float64(scale)
+    q = np.clip(y, -E5M2_MAX, E5M2_MAX).astype(np.float32).astype(ml_dtypes.float8_e5m2).astype(np.float64)
+    nonzero = y != 0
+    return np.mean(np.abs(y) > E5M2_MAX), np.sum(nonzero & (q == 0)) / max(1, np.sum(nonzero))
+
+
+@pytest.mark.parametrize("microbatches", [1, 4])
+def test_output_gradient_fractions_against_numpy(getkey, microbatches):
+    # The issue this reports: the history calibrated with the full batch's mean loss, the
+    # step differentiates each microbatch's mean loss (`average=True`): the output
+    # gradients are `microbatches` times larger than the history saw, and saturate E5M2.
+    n, k = 32, microbatches
+    model = fp8ax.fp8_linear_layers(eqx.nn.MLP(8, 4, 16, 1, key=getkey()))
+    x, y = jax.random.normal(getkey(), (n, 8)), jax.random.normal(getkey(), (n, 4))
+
+    def loss(m, x, y):
+        return jnp.mean((jax.vmap(m)(x) - y) ** 2)
+
+    model = fp8ax.calibrate(model, loss, [(x, y)])
+    grad_fn = fp8ax.microbatched(eqx.filter_grad(loss), k, average=True) if k > 1 else eqx.filter_grad(loss)
+    stats = fp8ax.scaling_stats(model, grad_fn, x, y)
+    # Reference for the last layer, whose output gradient is d loss / d prediction: each
+    # microbatch's mean over its n/k x 4 elements gives 2 (pred - y) / (n/k * 4).
+    pred = np.asarray(jax.vmap(model)(x), np.float32)
+    g = np.float32(2.0) * (pred - np.asarray(y)) / np.float32(n // k * 4)
+    history_max = float(jnp.max(model.layers[1].dot_general.grad.amax_history))
+    sat, under = _grad_reference(g, history_max)
+    # Tolerance: one element of n x 4 (float32 rounding of g and of the scale at the boundary).
+    assert abs(stats["layers.1/grad/saturation"] - sat) <= 1 / g.size
+    assert abs(stats["layers.1/grad/underflow"] - under) <= 1 / g.size
+    if k == 1:
+        assert stats["layers.1/grad/saturation"] == 0.0  # the history saw these very gradients
+    else:
+        assert stats["layers.1/grad/saturation"] > 0.25  # k = 4 times the calibrated amax
+    assert "layers.0/grad/saturation" in stats and "layers.0/grad/underflow" in stats
+    # Without a derivative in `fn`, no gradient numbers (and the forward ones as before).
+    forward = fp8ax.scaling_stats(model, loss, x, y)
+    assert "layers.1/grad/saturation" not in forward and "layers.1/lhs/saturation" in forward
+
+
 def test_state_only_and_the_keys(getkey):
     model = fp8ax.fp8_linear_layers(eqx.nn.MLP(4, 3, 16, 1, key=getkey()))
     stats = fp8ax.scaling_stats(model)
@@ -143,6 +189,33 @@ def test_plot_amax_history(getkey, tmp_path):
     )
     with pytest.raises(ValueError, match="`model` has no FP8 state to plot"):
         fp8ax.plot_amax_history(stateless, tmp_path / "x.png")
+
+
+class _QKV(eqx.Module):
+    q_proj: eqx.nn.Linear
+    k_proj: eqx.nn.Linear
+    v_proj: eqx.nn.Linear
+    o_proj: eqx.nn.Linear
+
+    def __call__(self, x):
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self.o_proj(q * jax.nn.sigmoid(k) + v)
+
+
+def test_plot_merges_layers_that_share_an_input(getkey, tmp_path):
+    # q, k and v read the same input: their lhs histories are equal, and three lines drawn
+    # on top of one another would show only the last. One line, named after all three.
+    model = fp8ax.fp8_linear_layers(_QKV(*(eqx.nn.Linear(16, 16, key=getkey()) for _ in range(4))))
+    batches = [(jax.random.normal(getkey(), (8, 16)) * (1 + i),) for i in range(5)]
+    model = fp8ax.calibrate(model, lambda m, x: jnp.sum(jax.vmap(m)(x) ** 2), batches)
+    names = ("q_proj", "k_proj", "v_proj", "o_proj")
+    merge = fp8ax._stats.merge_identical
+    lhs = merge([(n, np.asarray(getattr(model, n).dot_general.lhs.amax_history)) for n in names])
+    assert [(label, first) for label, _, first in lhs] == [("q_proj, k_proj, v_proj", "q_proj"), ("o_proj", "o_proj")]
+    rhs = merge([(n, np.asarray(getattr(model, n).dot_general.rhs.amax_history)) for n in names])
+    assert [label for label, _, _ in rhs] == list(names)  # four weights, four lines
+    out = fp8ax.plot_amax_history(model, tmp_path / "qkv.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_plot_without_matplotlib(getkey, tmp_path, monkeypatch):

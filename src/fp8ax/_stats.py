@@ -25,6 +25,7 @@ from jaxtyping import Array
 
 from . import _formats
 from ._dot_general import Fp8DotGeneral
+from ._layout import bwd_layout
 from ._maxgrad import merged_amax
 from ._quantized import QuantizedArray
 from ._transform import Fp8Linear, _haliax_batch_shape, path_str
@@ -139,7 +140,9 @@ class _Capture(eqx.Module):
         st = self.inner.settings
         if "fwd" in st.high_precision_gemms:
             return out
-        lhs, rhs = jnp.asarray(lhs), jnp.asarray(rhs)
+        # The counts need no derivative (and `fn` may differentiate through here).
+        lhs, rhs = jax.lax.stop_gradient((jnp.asarray(lhs), jnp.asarray(rhs)))
+        inner = jax.lax.stop_gradient(self.inner)
         if st.compute_dtype is not None:
             lhs, rhs = lhs.astype(st.compute_dtype), rhs.astype(st.compute_dtype)
         (lc, rc), _ = dimension_numbers
@@ -148,10 +151,50 @@ class _Capture(eqx.Module):
             if st.operand_recipe(role) is None:
                 continue
             axes = tuple(int(a) % x.ndim for a in axes)
-            q = _quantised_as_the_layer_does(self.inner, role, x, axes)
+            q = _quantised_as_the_layer_does(inner, role, x, axes)
             counts[role] = operand_counts(x, q)
         jax.debug.callback(functools.partial(_record, self.slot), self.index, counts)
-        return out
+        if "dlhs" in st.high_precision_gemms and "drhs" in st.high_precision_gemms:
+            return out
+        grad_recipe = st.operand_recipe("grad")
+        if grad_recipe is None:
+            return out
+        # The output gradient is quantised in the backward pass: an identity whose VJP
+        # quantises the incoming gradient as the layer's does (per tensor along the
+        # axes the input-gradient GEMM contracts) and reports what that loses.
+        axes = bwd_layout(dimension_numbers, lhs.ndim, rhs.ndim).g_rfree
+        state = self.inner.grad
+        consts = (self.index,) if state is None else (self.index, state.scale, state.amax_history)
+        consts = jax.lax.stop_gradient(consts)
+        return _observe_gradient(grad_recipe, axes, self.slot, out, *consts)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _observe_gradient(recipe, axes, slot, out, index, *state):
+    del recipe, axes, slot, index, state
+    return out
+
+
+def _observe_gradient_fwd(recipe, axes, slot, out, index, *state):
+    return out, (index, state)
+
+
+def _observe_gradient_bwd(recipe, axes, slot, residuals, g):
+    index, state = residuals
+    key = jax.random.key(0) if getattr(recipe, "grad_rounding", "nearest") == "stochastic" else None
+    if state:
+        scale, history = state
+        q, _ = recipe.quantize_operand(
+            g, axes, recipe.grad_dtype, state=(scale, history), key=key, merge=lambda v: merged_amax(v, scale)
+        )
+    else:
+        q, _ = recipe.quantize_operand(g, axes, recipe.grad_dtype, key=key)
+    jax.debug.callback(functools.partial(_record, slot), index, {"grad": operand_counts(g, q)})
+    zeros = tuple(jnp.zeros_like(s) for s in state)
+    return (g, np.zeros(np.shape(index), jax.dtypes.float0), *zeros)
+
+
+_observe_gradient.defvjp(_observe_gradient_fwd, _observe_gradient_bwd)
 
 
 def _record(slot: int, index, counts) -> None:
@@ -223,7 +266,9 @@ def scaling_stats(model: Any, fn: Callable | None = None, *args, **kwargs) -> di
 
     Given `fn` and its arguments, it also runs `fn(model, *args, **kwargs)` (once, on a
     copy of the model that observes each layer's operands) and adds, for the forward
-    operands `lhs` and `rhs` of every FP8 layer that `fn` calls (stateless recipes too):
+    operands `lhs` and `rhs` of every FP8 layer that `fn` calls (stateless recipes too),
+    and for its output gradient `grad` when `fn` differentiates through the layer (pass
+    `eqx.filter_grad(loss_fn)`, or the `fp8ax.microbatched` gradient your step uses):
 
     - `"{path}/{tensor}/saturation"`: the fraction of its elements beyond the format's
       range at the scale the layer uses (`|x| / scale > 448` for E4M3), which the
@@ -232,10 +277,12 @@ def scaling_stats(model: Any, fn: Callable | None = None, *args, **kwargs) -> di
       to zero.
 
     Both are computed with the layer's own recipe and state, as the call in `fn` would
-    quantise them; a layer used several times in `fn` (`vmap` over examples, a `scan`)
-    counts all its uses together. The state of the model is not changed. The output
-    gradient (`grad`) is not covered, nor calls inside `jax.shard_map` whose amax
-    would be reduced over shards.
+    quantise them; a layer used several times in `fn` (`vmap` over examples, a `scan`,
+    microbatches) counts all its uses together. The state of the model is not changed.
+    An output gradient far larger than its history (a loss scaled differently from the
+    one the history saw, see the "How the FP8 state works" page) shows as a `grad`
+    saturation well above 0. Calls inside `jax.shard_map`, whose amax would be reduced
+    over shards, are not covered.
 
     **Arguments:**
 
@@ -255,6 +302,7 @@ def scaling_stats(model: Any, fn: Callable | None = None, *args, **kwargs) -> di
         ```python
         wandb.log(fp8ax.scaling_stats(model), step=step)                  # scales and amaxes
         wandb.log(fp8ax.scaling_stats(model, loss_fn, x, y), step=step)   # ... and saturation, underflow
+        stats = fp8ax.scaling_stats(model, eqx.filter_grad(loss_fn), x, y)  # ... of the gradients too
         ```
     """
     global _active
@@ -297,7 +345,7 @@ def scaling_stats(model: Any, fn: Callable | None = None, *args, **kwargs) -> di
             _active = None
     for (slot, index), roles in sorted(seen.items()):
         name = layers[slot][0]
-        for role in _FORWARD:
+        for role in ROLES:
             c = roles.get(role)
             if c is None:
                 continue
@@ -305,6 +353,22 @@ def scaling_stats(model: Any, fn: Callable | None = None, *args, **kwargs) -> di
             out[f"{key}/saturation"] = c["saturated"] / c["total"] if c["total"] else 0.0
             out[f"{key}/underflow"] = c["underflow"] / c["nonzero"] if c["nonzero"] else 0.0
     return out
+
+
+def merge_identical(series: list[tuple[str, np.ndarray]]) -> list[tuple[str, np.ndarray, str]]:
+    """`(label, history)` pairs with equal histories merged into one `(labels, history,
+    first label)`, labelled with all their names (`"attn.q_proj, attn.k_proj,
+    attn.v_proj"`): layers that read the same input (the query, key and value
+    projections) record the same amaxes, and their lines would hide one another."""
+    merged: list[tuple[list[str], np.ndarray]] = []
+    for label, history in series:
+        for names, seen in merged:
+            if seen.shape == history.shape and np.array_equal(seen, history):
+                names.append(label)
+                break
+        else:
+            merged.append(([label], history))
+    return [(", ".join(names), history, names[0]) for names, history in merged]
 
 
 def plot_amax_history(
@@ -317,7 +381,10 @@ def plot_amax_history(
     """Plots the amax history of every FP8 layer, one panel per tensor, and saves it.
 
     Each line is one layer (one stacked layer of a `haliax.nn.Stacked`), labelled by
-    its path as in [`fp8ax.scaling_stats`][]. The x axis counts steps back from the
+    its path as in [`fp8ax.scaling_stats`][]. Layers whose histories of a tensor are
+    equal (the query, key and value projections read the same input) are drawn as one
+    line in that tensor's panel, labelled with all their paths; each panel has its own
+    legend. The x axis counts steps back from the
     newest entry (0); entries not yet recorded (0 in the history) are left out. The y
     axis is logarithmic.
 
@@ -366,21 +433,25 @@ def plot_amax_history(
         raise ImportError(
             "`fp8ax.plot_amax_history` needs matplotlib: `pip install fp8ax[plot]` (or `pip install matplotlib`)."
         ) from e
-    n_lines = max(len(s) for s in series.values())
+    lines = {role: merge_identical(s) for role, s in series.items()}
+    # A layer keeps its colour in every panel (a merged line takes its first layer's).
+    order = {label: k for k, label in enumerate(dict.fromkeys(lb for s in series.values() for lb, _ in s))}
+    n_lines = len(order)
     fig = Figure(figsize=(8, 2.6 * len(tensors) + 0.4))
     axes = fig.subplots(len(tensors), 1, sharex=True, squeeze=False)
     colors = matplotlib.colormaps["tab20" if n_lines > 10 else "tab10"]
     for ax, role in zip(axes[:, 0], tensors):
-        for k, (label, history) in enumerate(series[role]):
+        for label, history, first in lines[role]:
             recorded = np.nonzero(history > 0)[0]
-            ax.plot(-recorded, history[recorded], label=label, color=colors(k % colors.N), linewidth=1.0)
+            color = colors(order[first] % colors.N)
+            ax.plot(-recorded, history[recorded], label=label, color=color, linewidth=1.0)
         ax.set_yscale("log")
         ax.set_ylabel(f"{role} amax")
         ax.grid(alpha=0.3, which="both")
+        # One legend per panel: layers that share a tensor are one line in its panel only.
+        ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small", frameon=False)
     axes[-1, 0].set_xlabel("step, relative to the newest entry (0)")
     axes[-1, 0].xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
-    handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize="small", frameon=False)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
