@@ -226,6 +226,12 @@ def test_never_observed_state_is_an_error(getkey):
         r"empty activation amax history.*fp8ax\.calibrate",
     ):
         fp8ax.to_serving(fresh)
+    # Both causes are named: the training step dropped the state, or the layer never ran.
+    with pytest.raises(ValueError) as excinfo:
+        fp8ax.to_serving(fresh)
+    msg = str(excinfo.value)
+    assert "`eqx.apply_updates(model, updates)`" in msg and "fp8ax.apply_updates(model, updates, overwrite)" in msg
+    assert msg.index("dropped") < msg.index("never saw a nonzero") < msg.index("fp8ax.calibrate")
     # A layer the data never reached: the head of a model whose loss ignores it.
     model = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
     x = hax.random.normal(getkey(), (Batch, In))

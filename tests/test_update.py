@@ -1,5 +1,7 @@
 """partition_for_grad_overwrite, apply_updates, cast_floating, and interop with Haliax's helpers."""
 
+import subprocess
+import sys
 import warnings
 
 import equinox as eqx
@@ -19,6 +21,7 @@ def _data(getkey):
     return hax.random.normal(getkey(), (Batch, In)), hax.random.normal(getkey(), (Batch, Out))
 
 
+@pytest.mark.needs_hax_dot  # converts a Haliax model, which fp8ax refuses where hax.dot is broken
 def test_partition_splits_state_from_parameters(getkey):
     m = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
     overwrite, rest = fp8ax.partition_for_grad_overwrite(m)
@@ -56,6 +59,7 @@ def test_tldr_train_step_with_adamw(getkey):
     assert float(dg.lhs.scale) == pytest.approx(float(jnp.max(jnp.abs(x.array))) / 448.0, rel=1e-6)
 
 
+@pytest.mark.needs_hax_dot  # converts a Haliax model, which fp8ax refuses where hax.dot is broken
 def test_parameters_keep_their_dtype(getkey):
     model = fp8ax.cast_floating(fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey())), jnp.bfloat16)
     assert model.up_proj.weight.dtype == jnp.bfloat16
@@ -289,6 +293,8 @@ def test_a_state_never_written_warns_after_many_calls(getkey, monkeypatch):
     # call then finds an empty history and calibrates; after STALE_CALLS calls of one
     # compiled program fp8ax warns, once.
     monkeypatch.setattr(fp8ax._recipes._StaleWatch, "warned", False)
+    # The early warning (test_dropping_the_state_warns_by_the_third_step) has its own test.
+    monkeypatch.setattr(fp8ax._recipes._StaleWatch, "warned_early", True)
     model, opt, loss, _ = _eqx_flow(getkey)
     _, trainable = fp8ax.partition_for_grad_overwrite(model)
     state = opt.init(eqx.filter(trainable, eqx.is_inexact_array))
@@ -312,6 +318,201 @@ def test_a_state_never_written_warns_after_many_calls(getkey, monkeypatch):
         jax.effects_barrier()
     assert len(caught) == 1 and "fp8ax.apply_updates" in str(caught[0].message)
     assert float(jnp.max(model.layers[0].dot_general.lhs.amax_history)) == 0.0  # what the warning is about
+
+
+# --- the dropped state (issue: `eqx.apply_updates` after partitioning was silent for 99 steps) ---
+
+
+@pytest.fixture
+def fresh_watch(monkeypatch):
+    """The stale-state warnings as in a fresh process (each is shown once per process)."""
+    monkeypatch.setattr(fp8ax._recipes._StaleWatch, "warned", False)
+    monkeypatch.setattr(fp8ax._recipes._StaleWatch, "warned_early", False)
+
+
+def _train(model, loss, batches, opt, *, write=True, step=None):
+    """Trains `model` on `batches` with one compiled step; the warnings of each step."""
+    _, trainable = fp8ax.partition_for_grad_overwrite(model)
+    state = opt.init(eqx.filter(trainable, eqx.is_inexact_array))
+    if step is None:
+
+        @eqx.filter_jit
+        def step(m, s, *batch):
+            grads = eqx.filter_grad(loss)(m, *batch)
+            overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)
+            with jax.numpy_dtype_promotion("standard"):
+                updates, s = opt.update(grads, s, params=m)
+            if write:
+                return fp8ax.apply_updates(m, updates, overwrite), s
+            return eqx.apply_updates(m, updates), s  # the mistake: the new state is dropped
+
+    caught = []
+    for batch in batches:
+        with warnings.catch_warnings(record=True) as now:
+            warnings.simplefilter("always")
+            model, state = step(model, state, *batch)
+            jax.effects_barrier()
+        caught.append([str(w.message) for w in now if "fp8ax" in str(w.message)])
+    return model, caught
+
+
+def _mlp_task(getkey, n_batches=5, width=16):
+    model = fp8ax.fp8_linear_layers(eqx.nn.MLP(8, 4, width, 2, key=getkey()))
+    batches = [(jax.random.normal(getkey(), (32, 8)), jax.random.normal(getkey(), (32, 4))) for _ in range(n_batches)]
+
+    def loss(m, x, y):
+        return jnp.mean((jax.vmap(m)(x) - y) ** 2)
+
+    return model, loss, batches
+
+
+def _haliax_task(getkey, n_batches=5):
+    model = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
+    batches = [
+        (hax.random.normal(getkey(), (Batch, In)), hax.random.normal(getkey(), (Batch, Out))) for _ in range(n_batches)
+    ]
+
+    def loss(m, x, y):
+        return hax.mean((m(x) - y) ** 2).array
+
+    return model, loss, batches
+
+
+@pytest.mark.parametrize(
+    "task, opt",
+    [
+        ("mlp", optax.adam(1e-3)),
+        ("mlp", optax.sgd(1e-2)),
+        ("mlp", optax.adamw(1e-4, weight_decay=0.1)),
+        pytest.param("haliax", optax.adam(1e-3), marks=pytest.mark.needs_hax_dot),
+    ],
+    ids=["mlp-adam", "mlp-sgd", "mlp-adamw", "haliax-adam"],
+)
+def test_dropping_the_state_warns_by_the_third_step(getkey, fresh_watch, task, opt):
+    model, loss, batches = (_mlp_task if task == "mlp" else _haliax_task)(getkey)
+    model, caught = _train(model, loss, batches, opt, write=False)
+    assert caught[:2] == [[], []], caught  # steps 1 and 2 could be fresh models
+    assert len(caught[2]) == 1, caught  # step 3, once
+    msg = caught[2][0]
+    assert "eqx.apply_updates" in msg and "model = fp8ax.apply_updates(model, updates, overwrite)" in msg, msg
+    assert caught[3:] == [[]] * (len(batches) - 3)  # once per process
+    states = [x for x in jax.tree.leaves(model, is_leaf=_is_state) if _is_state(x)]
+    assert states and all(float(jnp.max(s.amax_history)) == 0.0 for s in states)  # what it is about
+
+
+def _is_state(x):
+    return isinstance(x, fp8ax.ScalingState)
+
+
+def test_dropping_the_state_of_microbatched_gradients_warns(getkey, fresh_watch):
+    # k microbatches calibrate k times per step on the same weights: one step, not k.
+    model, loss, batches = _mlp_task(getkey)
+    opt = optax.adam(1e-3)
+    grad_fn = fp8ax.microbatched(eqx.filter_grad(loss), 4, average=True)
+
+    @eqx.filter_jit
+    def step(m, s, x, y):
+        overwrite, grads = fp8ax.partition_for_grad_overwrite(grad_fn(m, x, y))
+        with jax.numpy_dtype_promotion("standard"):
+            updates, s = opt.update(grads, s, params=m)
+        return eqx.apply_updates(m, updates), s
+
+    _, caught = _train(model, loss, batches, opt, step=step)
+    assert caught[:2] == [[], []] and len(caught[2]) == 1, caught
+
+
+def test_microbatches_before_a_separate_update_do_not_warn(getkey, fresh_watch):
+    # Gradients of 6 microbatches, each from its own call of a jitted function, then the
+    # update in another jitted function (traced only after the microbatches ran).
+    model, loss, _ = _mlp_task(getkey)
+    opt = optax.adam(1e-3)
+    _, trainable = fp8ax.partition_for_grad_overwrite(model)
+    state = opt.init(eqx.filter(trainable, eqx.is_inexact_array))
+    grad_fn = eqx.filter_jit(eqx.filter_grad(loss))
+
+    @eqx.filter_jit
+    def update(m, s, grads):
+        overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)
+        with jax.numpy_dtype_promotion("standard"):
+            updates, s = opt.update(grads, s, params=m)
+        return fp8ax.apply_updates(m, updates, overwrite), s
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            total = None
+            for _ in range(6):
+                g = grad_fn(model, jax.random.normal(getkey(), (8, 8)), jax.random.normal(getkey(), (8, 4)))
+                total = g if total is None else fp8ax.accumulate_gradients(total, g)
+            model, state = update(model, state, total)
+        jax.effects_barrier()
+
+
+def test_no_false_alarm_on_sweeps_of_fresh_models(getkey, fresh_watch):
+    warnings_seen = []
+    # 1. Fresh models (new seeds, a repeated seed, two widths) trained correctly, one
+    #    compiled step per architecture: each model calibrates once, on its first step.
+    opt = optax.adam(1e-3)
+    for width in (16, 16, 32):
+        for _ in range(4):
+            model, loss, batches = _mlp_task(getkey, n_batches=3, width=width)
+            warnings_seen += sum(_train(model, loss, batches, opt)[1], [])
+    same = eqx.nn.MLP(8, 4, 16, 2, key=jax.random.key(7))
+    for _ in range(3):
+        _, loss, batches = _mlp_task(getkey, n_batches=3)
+        warnings_seen += sum(_train(fp8ax.fp8_linear_layers(same), loss, batches, opt)[1], [])
+    # 2. Gradients of fresh models, never trained, through one compiled function.
+    model, loss, batches = _mlp_task(getkey)
+    grad_fn = eqx.filter_jit(eqx.filter_grad(loss))
+    with warnings.catch_warnings(record=True) as now:
+        warnings.simplefilter("always")
+        for _ in range(8):
+            model, loss, batches = _mlp_task(getkey)
+            grad_fn(model, *batches[0])
+        # 3. A bf16 run evaluated in FP8 now and then: fresh conversions of slowly
+        #    changing weights, forward only.
+        plain = eqx.nn.MLP(8, 4, 16, 2, key=getkey())
+        evaluate = eqx.filter_jit(loss)
+        for _ in range(6):
+            plain = jax.tree.map(lambda w: w * 0.999 if eqx.is_inexact_array(w) else w, plain)
+            evaluate(fp8ax.fp8_linear_layers(plain), *batches[0])
+        jax.effects_barrier()
+    warnings_seen += [str(w.message) for w in now if "fp8ax" in str(w.message)]
+    assert warnings_seen == []
+
+
+_PLAIN_EQUINOX_STEP = """
+import equinox as eqx, jax, jax.numpy as jnp, optax, fp8ax
+model = fp8ax.fp8_linear_layers(eqx.nn.MLP(8, 4, 16, 1, key=jax.random.key(0)))
+x, y = jax.random.normal(jax.random.key(1), (32, 8)), jax.random.normal(jax.random.key(2), (32, 4))
+opt = optax.adam(1e-2)
+opt_state = opt.init(eqx.filter(model, eqx.is_array))
+
+@eqx.filter_jit
+def step(model, opt_state):  # the Equinox docs' step, unchanged
+    grads = eqx.filter_grad(lambda m: jnp.mean((jax.vmap(m)(x) - y) ** 2))(model)
+    updates, opt_state = opt.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+    return eqx.apply_updates(model, updates), opt_state
+
+for _ in range(3):
+    model, opt_state = step(model, opt_state)
+    jax.block_until_ready(model)
+"""
+
+
+def test_a_plain_equinox_step_fails_with_fp8ax_s_message_first(tmp_path):
+    # The state goes through Adam and is added to the weights' way; the next step's check
+    # fails inside a host callback, which JAX reports as "INTERNAL: CpuCallback error
+    # calling callback: Traceback ..." with fp8ax's message some 1600 characters in.
+    script = tmp_path / "plain_step.py"
+    script.write_text(_PLAIN_EQUINOX_STEP)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert lines[0].startswith("fp8ax: an FP8 scaling state (scale, amax history) holds negative"), proc.stderr[:2000]
+    assert "fp8ax.apply_updates(model, updates, overwrite)" in lines[0]
+    assert "jax.debug.callback failed" not in proc.stderr  # no second traceback from JAX's log
+    assert "JaxRuntimeError" in proc.stderr  # the error itself still stops the program
 
 
 def _ensemble_flow(getkey, n=3):

@@ -16,6 +16,8 @@
 # and custom derivatives); the value has no outputs and no derivative; `vmap` calls back
 # once with the batched arguments; under `remat` the check runs in the forward pass only.
 
+import logging
+import sys
 import warnings
 
 import jax
@@ -23,6 +25,32 @@ from jax._src import debugging as _debugging
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 from jax.interpreters import partial_eval as pe
+
+
+class HostCheckError(ValueError):
+    """The error of a failed host check. It reaches the caller inside JAX's runtime error
+    ("INTERNAL: CpuCallback error calling callback: Traceback ...", with fp8ax's message
+    at its end), so its message is also written to stderr first, as the first line the
+    user reads, and JAX's log of the failed callback (a second traceback) is left out."""
+
+
+class _NoLogOfFailedChecks(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.exc_info and isinstance(record.exc_info[1], HostCheckError))
+
+
+# `jax.debug.callback` logs every exception of a callback with its traceback.
+logging.getLogger("jax._src.debugging").addFilter(_NoLogOfFailedChecks())
+
+
+def _checked(fn, *args) -> None:
+    try:
+        fn(*args)
+    except HostCheckError as e:
+        sys.stderr.write(f"{e}\n")
+        sys.stderr.flush()
+        raise
+
 
 _host_check_p = Primitive("fp8ax_host_check")
 _host_check_p.multiple_results = True
@@ -61,7 +89,7 @@ def _lowering(ctx, *flat, fn, tree):
         return []
 
     def call(*flat):
-        jax.debug.callback(lambda *a: fn(*jax.tree.unflatten(tree, a)), *flat)
+        jax.debug.callback(lambda *a: _checked(fn, *jax.tree.unflatten(tree, a)), *flat)
         return []
 
     return mlir.lower_fun(call, multiple_results=True)(ctx, *flat)

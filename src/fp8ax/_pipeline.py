@@ -92,7 +92,7 @@ def _lay_out_by_axis_mapping(q, axes: tuple[str, ...] | None):
 
 def _operand_for(call: Call, role: str, x, axes, state=None, key=None, plan=None):
     merge = _merge_for(state[0]) if state is not None else (lambda v: v)
-    return Operand(x, tuple(axes), _role_dtype(call, role), state, key, merge, plan)
+    return Operand(x, tuple(axes), _role_dtype(call, role), state, key, merge, plan, role)
 
 
 def _quantise(call: Call, role: str, x, axes, state=None, key=None, plan=None):

@@ -21,7 +21,7 @@ from jaxtyping import Array, Float
 
 from . import _formats
 from ._boundaries import vma
-from ._hostcheck import host_check
+from ._hostcheck import HostCheckError, host_check
 from ._quantized import QuantizedArray, ScaleLayout
 from ._state import ScalingState
 
@@ -44,7 +44,9 @@ def _no_merge(value):
 
 class Operand(NamedTuple):
     """One operand of a call, as [`fp8ax.AbstractScalingRecipe.quantize_operands`][]
-    takes it: the arguments of `quantize_operand`, plus the operand's `plan`."""
+    takes it: the arguments of `quantize_operand`, plus the operand's `plan` and its
+    `role` in the GEMM (`"lhs"`, `"rhs"` or `"grad"`; None when not known), which a
+    recipe may use for diagnostics, never for the numbers."""
 
     x: Array
     contracting_axes: tuple[int, ...]
@@ -53,6 +55,7 @@ class Operand(NamedTuple):
     key: Any = None
     merge: Callable[[Array], Array] = _no_merge
     plan: Any = None
+    role: str | None = None
 
 
 def _as_operands(operands) -> list[Operand]:
@@ -188,15 +191,51 @@ _CORRUPT_STATE = (
 
 
 STALE_CALLS = 100
+# A layer found fresh on this many training steps in a row is a dropped state.
+EARLY_STEPS = 3
+# Two calls see the same layer one training step apart when its weights moved by less
+# than this fraction of their size; fresh initialisations differ by about sqrt(2).
+_TRAINED_STEP = 0.5
+_SKETCH_SIZE = 64
+
+
+class _Ledger:
+    """What the host has seen, process-wide: how many times `fp8ax.apply_updates` was
+    called (it writes the state), and how many calibrating calls quantised an output
+    gradient (only a differentiated call does)."""
+
+    writes = 0
+    grad_calibrations = 0
+
+
+def record_state_write() -> None:
+    """Called by `fp8ax.apply_updates`, at trace time or eagerly."""
+    _Ledger.writes += 1
+
+
+def weight_sketch(x: Array) -> Array:
+    """Up to `_SKETCH_SIZE` evenly spaced entries of `x`, as float32: enough to tell a
+    weight one optimiser step away from a freshly initialised one."""
+    flat = x.reshape(-1)
+    stride = max(1, flat.size // _SKETCH_SIZE)
+    return lax.convert_element_type(flat[::stride][:_SKETCH_SIZE], np.float32)
 
 
 class _StaleWatch:
     """On the host, in the calibrating branch of one traced call: raises on a corrupt
-    state, and counts how often the branch really calibrates. It calibrates once per
-    fresh layer; every call calibrates when the new state is never written (it is split
-    off by `partition_for_grad_overwrite`, then dropped by `eqx.apply_updates`). At
-    `STALE_CALLS` runs it warns, once per process: a warning, not an error, because
-    training that many fresh models with one compiled step looks the same.
+    state, and tells a state that is never written from a fresh layer's first call.
+
+    A fresh layer calibrates once; once `fp8ax.apply_updates` writes its state, the step
+    recompiles without this branch. When the new state is dropped instead (split off by
+    `partition_for_grad_overwrite`, then left out by `eqx.apply_updates`), every step
+    calibrates again. Three signs together tell that apart from a sweep of fresh models
+    through one compiled step, or gradients of fresh models, or evaluations of fresh
+    conversions: the weight (`rhs`) seen by consecutive calls moved by an optimiser
+    step (less than `_TRAINED_STEP` of its size, and not zero), and between those calls
+    output gradients were quantised by calibrating calls (training, not evaluation) and
+    `fp8ax.apply_updates` was not called. After `EARLY_STEPS`
+    such calls the watch warns, once per process. Without the weight (a recipe called
+    directly) it warns after `STALE_CALLS` calibrating calls of one compiled program.
 
     Under `vmap` with batched state (an ensemble) the conditional becomes a `select`
     that runs both branches for every member, and the callback runs once with every
@@ -205,11 +244,16 @@ class _StaleWatch:
     process cannot run leaves out (with a warning)."""
 
     warned = False
+    warned_early = False
 
-    def __init__(self):
+    def __init__(self, roles=()):
         self.calls = 0
+        self.is_grad = "grad" in roles
+        self.ledger = None  # `(writes, grad_calibrations)` at the last call with a weight
+        self.sketch = None
+        self.trained_steps = 0
 
-    def tick(self, calibrating, corrupt):
+    def tick(self, calibrating, corrupt, sketch=None):
         # One flag per operand of the call (under `vmap`, an array of them per operand).
         # The check of a state that went through an optimiser lives here rather than in
         # an `eqx.error_if`: tracing one costs about 15k Python calls per quantised
@@ -222,14 +266,48 @@ class _StaleWatch:
         # called back, which on a multi-device CPU backend can hold every execution slot
         # (a deadlock that XLA breaks by aborting the process after 40 s).
         if any(np.asarray(c).any() for c in corrupt):
-            raise ValueError(_CORRUPT_STATE)
+            raise HostCheckError(_CORRUPT_STATE)
         if not any(np.asarray(c).any() for c in calibrating):
             return
         self.calls += 1
+        if self.is_grad:
+            _Ledger.grad_calibrations += 1
+        if sketch is not None:
+            # Between two calls of a dropped state: no state written, gradients taken.
+            # (The traced call can be cached across models, as `hax.dot`'s inner
+            # `filter_jit` does, so this looks at the calls, not at the trace.)
+            ledger, self.ledger = self.ledger, (_Ledger.writes, _Ledger.grad_calibrations)
+            if ledger is not None and (ledger[0] != _Ledger.writes or ledger[1] == _Ledger.grad_calibrations):
+                self.trained_steps, self.sketch = 0, None
+            self._observe(np.asarray(sketch, np.float64))
+            if self.trained_steps >= EARLY_STEPS - 1 and not _StaleWatch.warned_early:
+                _StaleWatch.warned_early = True
+                warnings.warn(_DROPPED_STATE, stacklevel=2)
         if self.calls == STALE_CALLS and not _StaleWatch.warned:
             _StaleWatch.warned = True
             warnings.warn(_STALE_STATE, stacklevel=2)
 
+    def _observe(self, sketch):
+        last, self.sketch = self.sketch, sketch
+        if last is None or last.shape != sketch.shape:
+            return
+        moved = float(np.linalg.norm(sketch - last))
+        if moved == 0:  # the same weight again: another microbatch of the same step
+            return
+        if moved < _TRAINED_STEP * float(np.linalg.norm(last)):
+            self.trained_steps += 1
+        else:  # another model
+            self.trained_steps = 0
+
+
+_DROPPED_STATE = (
+    f"fp8ax: an FP8 layer found its amax history empty on {EARLY_STEPS} training steps in a row (its weight "
+    "changed by an optimiser step each time, and `fp8ax.apply_updates` was not called), so its new FP8 state "
+    "is computed and then dropped: every step calibrates again and delayed scaling is never used. This is what "
+    "`eqx.apply_updates(model, updates)` after `fp8ax.partition_for_grad_overwrite` does. The gradient of an FP8 "
+    "layer's state is its new value: write it with `model = fp8ax.apply_updates(model, updates, overwrite)`. "
+    "(Shown once per process.)"
+)
 
 _STALE_STATE = (
     f"fp8ax: the same FP8 layer has found its amax history empty on {STALE_CALLS} calls of one "
@@ -563,7 +641,8 @@ class DelayedScaling(AbstractScalingRecipe):
         # raises. Operands planned apart (separate `plan` calls) calibrate on either flag.
         flags = {id(op.plan.calibrates): op.plan.calibrates for op in operands}
         pred = functools.reduce(lax.bitwise_or, flags.values())
-        watch = _StaleWatch()
+        roles = tuple(op.role for op in operands)
+        watch = _StaleWatch(roles)
         xs = tuple(op.x for op in operands)
         states = tuple(op.state for op in operands)
         bounds = tuple((op.plan.longest, op.plan.lowest) for op in operands)
@@ -580,7 +659,10 @@ class DelayedScaling(AbstractScalingRecipe):
                 delayed = self._checked(self._past_amax(history, longest), scale, fp8_max)
                 used = _formats.select(own[-1], calibrated, delayed)
                 out.append((used, _formats.reciprocal(used)))
-            host_check(watch.tick, tuple(own), tuple(corrupt))  # on the host, when this branch runs
+            # On the host, when this branch runs; the weight's sketch tells whether the
+            # layer is being trained without its state being written (`_StaleWatch`).
+            sketch = [weight_sketch(x) for x, role in zip(xs, roles) if role == "rhs"]
+            host_check(watch.tick, tuple(own), tuple(corrupt), sketch[0] if sketch else None)
             return tuple(out)
 
         def delayed(xs, states, bounds):

@@ -358,11 +358,14 @@ def _check_filled(layer: str, dg: Fp8DotGeneral, stacked: str) -> None:
                     f" (stacked entries {[tuple(int(i) for i in ix) for ix in np.argwhere(empty)][:8]} of {stacked})"
                 )
             raise ValueError(
-                f"Layer `{layer}`{where} has an empty {what} amax history (`{role}`): it never saw a nonzero "
-                f"{what} with this FP8 state, so there is no delayed scale to freeze for serving. Run it on a few "
-                "batches first with `fp8ax.calibrate(model, loss_fn, batches)` (post-training quantisation: any "
-                "scalar function of the output will do as `loss_fn`), or exclude the layer from the FP8 "
-                "conversion (`Fp8Config(targets=...)`)."
+                f"Layer `{layer}`{where} has an empty {what} amax history (`{role}`), so there is no delayed "
+                "scale to freeze for serving. Either of two causes: (1) the training step dropped the new FP8 "
+                "state: `eqx.apply_updates(model, updates)` after `fp8ax.partition_for_grad_overwrite` leaves "
+                "the state as it was, so write it with `model = fp8ax.apply_updates(model, updates, overwrite)`; "
+                f"or (2) the layer never saw a nonzero {what} (it was not trained, or the steps did not reach it): "
+                "run it on a few batches with `fp8ax.calibrate(model, loss_fn, batches)` (post-training "
+                "quantisation: any scalar function of the output will do as `loss_fn`), or exclude the layer "
+                "from the FP8 conversion (`Fp8Config(targets=...)`)."
             )
 
 

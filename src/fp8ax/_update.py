@@ -4,6 +4,7 @@ import equinox as eqx
 import jax
 import jax.tree_util as jtu
 
+from ._recipes import record_state_write
 from ._state import _is_owg
 
 T = TypeVar("T")
@@ -96,6 +97,8 @@ def apply_updates(model: T, updates: T, overwrite: T) -> T:
                 "A model without FP8 layers can use `eqx.apply_updates`."
             )
         overwrite = jtu.tree_map(lambda _: None, model)
+    else:
+        record_state_write()  # the early warning for a dropped state looks for this call
     if updates is None:
         updates = jtu.tree_map(lambda _: None, model, is_leaf=_is_owg)
 
