@@ -23,6 +23,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import tomllib
 
 import pytest
 
@@ -255,6 +256,15 @@ def test_runnable_doc_blocks(page, tmp_path):
         pytest.fail(f"a runnable block of {_page_id(page)} failed; {where}\n\n{proc.stderr[-4000:]}")
 
 
+def test_every_readme_python_block_is_runnable():
+    # A user copies README blocks as they are: each one runs (test_runnable_doc_blocks runs
+    # them in order, on a CPU), none is a fragment.
+    lines = (ROOT / "README.md").read_text().splitlines()
+    fences = [i for i, line in enumerate(lines) if line.strip() == "```python"]
+    unmarked = [i + 1 for i in fences if i == 0 or lines[i - 1].strip() != MARKER]
+    assert fences and not unmarked, f"README.md: python blocks at lines {unmarked} are not marked {MARKER}"
+
+
 def test_every_public_name_is_in_the_api_reference():
     api = (ROOT / "docs" / "api.md").read_text()
     public = sorted(n for n in dir(fp8ax) if not n.startswith("_"))
@@ -266,7 +276,12 @@ def test_every_public_name_is_in_the_api_reference():
 def test_readme_starts_with_the_two_commands():
     readme = (ROOT / "README.md").read_text()
     head = readme[:3000]
-    assert ".venv/bin/python examples/demo.py" in head
+    # The main job installs the `haliax` extra: the demo is a Haliax model, and Haliax
+    # 1.4.dev453 runs on jax 0.10 only, which the extra asks for on every Python.
+    main_job = 'python3 -m venv .venv && .venv/bin/pip install -e ".[haliax]" && .venv/bin/python examples/demo.py'
+    assert main_job in head.splitlines()
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["haliax"] == ["jax>=0.10.0,<0.11"], extras["haliax"]
     assert '.venv/bin/pip install -e ".[test]" && .venv/bin/python -m pytest -q' in head
     # CI's runs (Python 3.11 / jax 0.10, Python 3.12 / newest jax, and the deviceless GPU
     # compile) are the README's commands, with the interpreter CI finds and a quiet pip.
@@ -277,6 +292,9 @@ def test_readme_starts_with_the_two_commands():
     assert "jax[cuda12]" in runs[2] and "FP8AX_REQUIRE_GPU_AOT=1" in runs[2], runs[2]
     for run in runs:
         assert run.replace(" install -q -e ", " install -e ") in head, run
+    # CI also runs the main job, the README line itself, on Python 3.11 and 3.12.
+    assert "main_job=$(grep -m 1 -E '^python3 -m venv .*examples/demo\\.py$' README.md)" in ci
+    assert 'for py in "$py311" "$py312"; do' in ci and 'bash -c "$main_job"' in ci
 
 
 def test_docs_build_strict(tmp_path):

@@ -29,6 +29,7 @@ from jaxtyping import Array, PRNGKeyArray
 
 from . import _formats
 from ._dot_general import Fp8DotGeneral, _check_operand, make_call
+from ._haliax_compat import require_haliax_matmul
 from ._pipeline import Call, _gemm, _quantise, vma
 from ._quantized import QuantizedArray
 from ._recipes import _CORRUPT_STATE, DelayedScaling
@@ -309,6 +310,7 @@ class ServingHaliaxLinear(eqx.Module):
         A `NamedArray` with the `In` axes replaced by `Out`.
         """
         del key
+        require_haliax_matmul("fp8ax.ServingHaliaxLinear")
         w = hax.NamedArray(decode(self.weight.array, self.dot_general.value_dtype), self.weight.axes)
         # `haliax.nn.Linear` lets `hax.dot` pick the result dtype from the two operands;
         # the training weight's dtype stands in for the stored values'.
@@ -443,6 +445,7 @@ def _convert_eqx(layer: str, lin: Fp8Linear, check: bool) -> ServingLinear:
 
 
 def _convert_haliax(layer: str, lin: hnn.Linear, check: bool) -> ServingHaliaxLinear:
+    require_haliax_matmul("fp8ax.to_serving")
     own = _axis_names(lin.In) | _axis_names(lin.Out)
     names = [ax.name for ax in lin.weight.axes]
     n_batch = sum(n not in own for n in names)

@@ -14,6 +14,7 @@ from jaxtyping import Array, PRNGKeyArray
 
 from ._config import Fp8Config
 from ._dot_general import Fp8DotGeneral
+from ._haliax_compat import require_haliax_matmul
 
 T = TypeVar("T")
 
@@ -221,7 +222,9 @@ def fp8_linear_layers(module: T, config: Fp8Config | None = None) -> T:
     **Raises:**
 
     `ValueError` if `module` holds no linear layer, or if `config.targets` is given and
-    selects none of them (the message lists the paths that exist).
+    selects none of them (the message lists the paths that exist). `RuntimeError` if
+    `module` holds a `haliax.nn.Linear` and the installed Haliax cannot run a named-axis
+    matmul on the installed JAX (the message says which versions to install).
 
     !!! Example
 
@@ -240,6 +243,8 @@ def fp8_linear_layers(module: T, config: Fp8Config | None = None) -> T:
     def convert(path, node):
         if not _is_linear(node):
             return node
+        if isinstance(node, hnn.Linear):
+            require_haliax_matmul("fp8ax.fp8_linear_layers")
         d = decide(path_str(path), node, config)
         decisions.append(d)
         return _converted(node, config) if d.action == "convert" else node
