@@ -448,6 +448,18 @@ def test_microbatches_before_a_separate_update_do_not_warn(getkey, fresh_watch):
         jax.effects_barrier()
 
 
+@pytest.mark.needs_hax_dot
+def test_no_false_alarm_on_a_sweep_of_fresh_haliax_models(getkey, fresh_watch):
+    # `hax.dot` traces through an inner `filter_jit` that caches the FP8 call across models
+    # of one shape, so one watch sees every model of the sweep: each calibrates once.
+    opt = optax.adam(1e-3)
+    seen = []
+    for _ in range(6):
+        model, loss, batches = _haliax_task(getkey, n_batches=3)
+        seen += sum(_train(model, loss, batches, opt)[1], [])
+    assert seen == []
+
+
 def test_no_false_alarm_on_sweeps_of_fresh_models(getkey, fresh_watch):
     warnings_seen = []
     # 1. Fresh models (new seeds, a repeated seed, two widths) trained correctly, one
