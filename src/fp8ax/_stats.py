@@ -27,11 +27,11 @@ from . import _formats
 from ._dot_general import Fp8DotGeneral
 from ._layout import bwd_layout
 from ._maxgrad import merged_amax
+from ._pipeline import _stochastic
 from ._quantized import QuantizedArray
 from ._transform import Fp8Linear, _haliax_batch_shape, path_str
 
 ROLES = ("lhs", "rhs", "grad")
-_FORWARD = ("lhs", "rhs")
 _COUNTS = ("saturated", "underflow", "nonzero", "total")
 
 _LOCK = threading.Lock()
@@ -73,13 +73,6 @@ def _index_str(index: tuple[int, ...]) -> str:
     return f"[{','.join(map(str, index))}]" if index else ""
 
 
-def _role_dtype(dg: Fp8DotGeneral, role: str):
-    recipe = dg.settings.operand_recipe(role)
-    if recipe is None:
-        return None
-    return recipe.grad_dtype if role == "grad" else recipe.fwd_dtype
-
-
 def _bound(dtype) -> float:
     """The largest magnitude the quantised values can hold."""
     dtype = np.dtype(dtype)
@@ -114,18 +107,26 @@ def operand_counts(x: Array, q: QuantizedArray) -> dict[str, Array]:
     }
 
 
-def _quantised_as_the_layer_does(dg: Fp8DotGeneral, role: str, x, axes) -> QuantizedArray:
-    recipe = dg.settings.operand_recipe(role)
-    dtype = recipe.fwd_dtype
-    state = getattr(dg, role)
-    if state is None:
-        q, _ = recipe.quantize_operand(x, axes, dtype)
+def _quantised_as_the_layer_does(recipe, role: str, x, axes, state=()) -> QuantizedArray:
+    """`x` quantised by `recipe` as the layer's `role` operand, with its `(scale,
+    history)` `state` (empty for a stateless recipe)."""
+    dtype = recipe.grad_dtype if role == "grad" else recipe.fwd_dtype
+    key = jax.random.key(0) if role == "grad" and _stochastic(recipe) else None
+    if not state:
+        q, _ = recipe.quantize_operand(x, axes, dtype, key=key)
         return q
-    scale, history = state.scale, state.amax_history
+    scale, history = state
     # As the GEMM pipeline does: a first call (empty history) under `vmap` calibrates on
     # the amax of the whole batch, not of each example.
-    q, _ = recipe.quantize_operand(x, axes, dtype, state=(scale, history), merge=lambda v: merged_amax(v, scale))
+    q, _ = recipe.quantize_operand(
+        x, axes, dtype, state=(scale, history), key=key, merge=lambda v: merged_amax(v, scale)
+    )
     return q
+
+
+def _state_of(dg: Fp8DotGeneral, role: str) -> tuple:
+    state = getattr(dg, role)
+    return () if state is None else (state.scale, state.amax_history)
 
 
 class _Capture(eqx.Module):
@@ -151,7 +152,7 @@ class _Capture(eqx.Module):
             if st.operand_recipe(role) is None:
                 continue
             axes = tuple(int(a) % x.ndim for a in axes)
-            q = _quantised_as_the_layer_does(inner, role, x, axes)
+            q = _quantised_as_the_layer_does(st.operand_recipe(role), role, x, axes, _state_of(inner, role))
             counts[role] = operand_counts(x, q)
         jax.debug.callback(functools.partial(_record, self.slot), self.index, counts)
         if "dlhs" in st.high_precision_gemms and "drhs" in st.high_precision_gemms:
@@ -163,9 +164,7 @@ class _Capture(eqx.Module):
         # quantises the incoming gradient as the layer's does (per tensor along the
         # axes the input-gradient GEMM contracts) and reports what that loses.
         axes = bwd_layout(dimension_numbers, lhs.ndim, rhs.ndim).g_rfree
-        state = self.inner.grad
-        consts = (self.index,) if state is None else (self.index, state.scale, state.amax_history)
-        consts = jax.lax.stop_gradient(consts)
+        consts = jax.lax.stop_gradient((self.index, *_state_of(self.inner, "grad")))
         return _observe_gradient(grad_recipe, axes, self.slot, out, *consts)
 
 
@@ -181,14 +180,7 @@ def _observe_gradient_fwd(recipe, axes, slot, out, index, *state):
 
 def _observe_gradient_bwd(recipe, axes, slot, residuals, g):
     index, state = residuals
-    key = jax.random.key(0) if getattr(recipe, "grad_rounding", "nearest") == "stochastic" else None
-    if state:
-        scale, history = state
-        q, _ = recipe.quantize_operand(
-            g, axes, recipe.grad_dtype, state=(scale, history), key=key, merge=lambda v: merged_amax(v, scale)
-        )
-    else:
-        q, _ = recipe.quantize_operand(g, axes, recipe.grad_dtype, key=key)
+    q = _quantised_as_the_layer_does(recipe, "grad", g, axes, state)
     jax.debug.callback(functools.partial(_record, slot), index, {"grad": operand_counts(g, q)})
     zeros = tuple(jnp.zeros_like(s) for s in state)
     return (g, np.zeros(np.shape(index), jax.dtypes.float0), *zeros)
