@@ -174,6 +174,15 @@ def _smooth(values, width=10):
     return out
 
 
+# `--recipe`: the FP8 recipe of the converted layers.
+RECIPES = {
+    "delayed": fp8ax.DelayedScaling(),  # E4M3 forward, E5M2 gradients, one scale per tensor from its history
+    "blockwise": fp8ax.BlockwiseScaling(),  # DeepSeek-V3: E4M3, 1x128 activation tiles, 128x128 weight blocks
+    "current": fp8ax.CurrentScaling(),
+    "mx": fp8ax.MXScaling(),
+}
+
+
 def main(
     steps: int = 300,
     batch: int = 32,
@@ -186,6 +195,7 @@ def main(
     plot: str | None = "lm_loss.png",
     every: int | None = None,
     amax_plot: str | None = "lm_amax.png",
+    recipe: str = "delayed",
 ):
     if embed % heads:
         raise ValueError(f"`--embed` ({embed}) must be a multiple of `--heads` ({heads}).")
@@ -207,7 +217,8 @@ def main(
 
     k_model, k_data, k_val = jax.random.split(jax.random.PRNGKey(seed), 3)
     model = CharTransformer.init(Vocab, Pos, Embed, Heads, HeadSize, Mlp, Layers, key=k_model)
-    config = fp8ax.Fp8Config(targets=r"blocks\..*")  # the block projections; embeddings and head stay bf16
+    # The block projections; embeddings and head stay bf16.
+    config = fp8ax.Fp8Config(recipe=RECIPES[recipe], targets=r"blocks\..*")
     models = {
         "bf16": fp8ax.cast_floating(model, jnp.bfloat16),
         "fp8": fp8ax.cast_floating(fp8ax.fp8_linear_layers(model, config), jnp.bfloat16),
@@ -224,7 +235,7 @@ def main(
     print(f"fp8ax {fp8ax.__version__}, JAX {jax.__version__} on {jax.default_backend()}")
     print(
         f"{len(text):,} characters ({len(chars)} distinct), {layers} layers x {heads} heads, embed {embed}, "
-        f"context {seq}, batch {batch}, {n_params:,} parameters, Adam lr {lr}, {steps} steps"
+        f"context {seq}, batch {batch}, {n_params:,} parameters, Adam lr {lr}, {steps} steps, FP8 recipe {recipe}"
     )
     print(fp8ax.conversion_report(model, config), end="\n\n")
 
@@ -272,7 +283,7 @@ def main(
 
     if plot:
         save_plot(plot, list(range(1, steps + 1)), losses, held_out)
-    if amax_plot:
+    if amax_plot and config.settings.stateful:  # only delayed scaling has amax histories
         try:
             # --8<-- [start:plot]
             fp8ax.plot_amax_history(models["fp8"], amax_plot, title=f"amax histories after {steps} steps")
@@ -318,6 +329,12 @@ if __name__ == "__main__":
         default="lm_amax.png",
         help="where to save the amax histories of the FP8 layers (default lm_amax.png); '' for no plot",
     )
+    parser.add_argument(
+        "--recipe",
+        default="delayed",
+        choices=sorted(RECIPES),
+        help="FP8 recipe of the converted layers (default delayed)",
+    )
     args = parser.parse_args()
     main(
         steps=args.steps,
@@ -331,4 +348,5 @@ if __name__ == "__main__":
         plot=args.plot,
         every=args.every,
         amax_plot=args.amax_plot,
+        recipe=args.recipe,
     )

@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 sys.path.insert(0, os.path.dirname(__file__))
 import fp8ax  # noqa: E402
 from helpers import Deep, In, Layers, Mid, Out  # noqa: E402
+from recipe_registry import REGISTRY  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -340,8 +341,29 @@ def case_eager_shard_map_no_check_vma_refuses():
     raise AssertionError("no error for an un-jitted shard_map(check_vma=False)")
 
 
+def _recipe_case(name):
+    """A recipe of the registry (tests/recipe_registry.py), trained with data, FSDP and
+    tensor parallelism on 8 devices against one device."""
+
+    def case():
+        x, y = _data()
+        config = fp8ax.Fp8Config(recipe=REGISTRY[name].recipe)
+        single = _train_single(_model(config), x, y)
+        losses, model, _ = _train_sharded(_model(config), x, y, *LAYOUTS["fsdp_tp"], name=f"step_{name}")
+        if config.settings.recipe.stochastic("grad"):
+            # Stochastic rounding draws its key from the gradient's bits, which a sharded
+            # reduction changes in the last place: another draw, the same distribution.
+            np.testing.assert_allclose(losses, single[0], rtol=2e-2)
+        else:
+            _compare(single, (losses, model))
+        return {"losses": losses}
+
+    return case
+
+
 CASES = {
     **{name: _layout_case(name) for name in LAYOUTS},
+    **{f"recipe:{name}": _recipe_case(name) for name in REGISTRY},
     "global_amax": case_global_amax,
     "fp8_all_gather": case_fp8_all_gather,
     "shard_map_check_vma": _shard_map_case(True, trained=False),

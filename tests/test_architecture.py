@@ -6,7 +6,8 @@ Layers, bottom to top (a module may import from its own layer or lower ones only
 0. numerics: formats, rounding, MX elements, int8, GEMM layout bookkeeping, the
    max-accumulating dtype, the JAX rules that would sum the state, the host check;
 1. values and state: `QuantizedArray`, `ScalingState`;
-2. recipes;
+2. recipes (a module that defines a recipe and is not listed below is placed here: a
+   recipe is a plug-in);
 3. the GEMM pipeline and its settings;
 4. modules: `Fp8DotGeneral`, `Fp8Config` (which builds them);
 5. model-level functions: the transform (with `Fp8Linear`), updates, accumulation,
@@ -63,14 +64,41 @@ def _graph() -> dict[str, set[str]]:
     return {p.stem: _imports(p) for p in SRC.glob("_*.py") if p.stem != "__init__"}
 
 
+_RECIPE_BASES = {"AbstractScalingRecipe", "AbstractStatelessRecipe"}
+
+
+def _recipe_plugins() -> set[str]:
+    """Modules outside LAYERS that define a recipe (a class deriving from one of the
+    recipe base classes): a recipe is a plug-in, and its module sits in the recipe
+    layer without being listed (docs/recipes.md, "Adding a recipe")."""
+    listed = set().union(*LAYERS)
+    out = set()
+    for p in SRC.glob("_*.py"):
+        if p.stem in listed or p.stem == "__init__":
+            continue
+        tree = ast.parse(p.read_text())
+        bases = {
+            b.id for n in ast.walk(tree) if isinstance(n, ast.ClassDef) for b in n.bases if isinstance(b, ast.Name)
+        }
+        if bases & _RECIPE_BASES:
+            out.add(p.stem)
+    return out
+
+
+def _layers() -> list[set[str]]:
+    layers = [set(mods) for mods in LAYERS]
+    layers[2] |= _recipe_plugins()
+    return layers
+
+
 def test_every_module_has_a_layer():
-    placed = set().union(*LAYERS)
+    placed = set().union(*_layers())
     modules = set(_graph())
     assert modules <= placed, f"modules without a layer: {sorted(modules - placed)}"
 
 
 def test_imports_flow_downwards():
-    layer = {m: i for i, mods in enumerate(LAYERS) for m in mods}
+    layer = {m: i for i, mods in enumerate(_layers()) for m in mods}
     upward = [
         f"{m} (layer {layer[m]}) imports {d} (layer {layer[d]})"
         for m, deps in _graph().items()
@@ -123,4 +151,9 @@ def test_how_it_works_lists_every_module_in_its_layer():
         groups.append(set(named[i : i + len(layer)]))
         i += len(layer)
     assert groups == LAYERS and i == len(named), named
-    assert set(named) == {p.stem for p in SRC.glob("_*.py")} - {"__init__"}
+    assert set(named) == {p.stem for p in SRC.glob("_*.py")} - {"__init__"} - _recipe_plugins()
+
+
+def test_recipe_plugins_are_found():
+    # `_blockwise` is listed nowhere: it is placed because it defines a recipe.
+    assert "_blockwise" in _recipe_plugins() and "_blockwise" not in set().union(*LAYERS)

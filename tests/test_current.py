@@ -6,8 +6,6 @@ operands are compared to a float64 product of the same quantised values times th
 scales, to float32 rounding (rtol 1e-5 relative to the largest output).
 """
 
-import equinox as eqx
-import haliax as hax
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -15,7 +13,7 @@ import numpy as np
 import pytest
 
 import fp8ax
-from helpers import Batch, Deep, In, Out, sqnr
+from helpers import sqnr
 
 DIMS = (((1,), (0,)), ((), ()))
 
@@ -212,90 +210,8 @@ def test_quantize_api(getkey):
         fp8ax.MXScaling(fwd_element="e8m0")
 
 
-ALL = [
-    fp8ax.CurrentScaling(),
-    fp8ax.CurrentScaling("row", True),
-    fp8ax.MXScaling(8),
-    fp8ax.MXScaling(8, "e2m1", "e2m1"),
-    fp8ax.Int8Scaling(),
-]
-
-
-@pytest.mark.parametrize("recipe", ALL, ids=lambda r: repr(r).split("(")[0])
-def test_recipes_under_transforms(recipe, getkey, monkeypatch):
-    # jit, grad, vmap and scan, each against the same computation without the
-    # transform (bit for bit: the same ops on the same values).
-    x = jax.random.normal(getkey(), (4, 16))
-    w = jax.random.normal(getkey(), (16, 8))
-    dg = fp8ax.Fp8DotGeneral.init(recipe)
-    y = dg(x, w, DIMS)  # eager, once
-    call = jax.jit(lambda x: dg(x, w, DIMS))
-    np.testing.assert_array_equal(np.asarray(call(x)), np.asarray(y))
-    xs = jnp.stack([x, 2 * x, -x])
-    ys = jax.jit(lambda xs: jax.lax.scan(lambda c, xi: (c, dg(xi, w, DIMS)), 0.0, xs)[1])(xs)
-    np.testing.assert_array_equal(np.asarray(ys[1]), np.asarray(call(2 * x)))
-    yv = jax.jit(jax.vmap(lambda xi: dg(xi, w, DIMS)))(xs)
-    np.testing.assert_array_equal(np.asarray(yv[2]), np.asarray(call(-x)))
-    # Per-example scales: the weight gradient is one GEMM per example, and fp8ax says so
-    # (tests/test_per_example.py).
-    monkeypatch.setattr(fp8ax._pipeline, "_WARNED", set())
-    with pytest.warns(UserWarning, match="per example under `jax.vmap`"):
-        g = jax.jit(jax.grad(lambda w: jnp.sum(jax.vmap(lambda xi: dg(xi, w, DIMS))(xs) ** 2)))(w)
-    assert g.shape == w.shape and bool(jnp.all(jnp.isfinite(g)))
-
-
-@pytest.mark.needs_hax_dot
-@pytest.mark.parametrize("recipe", ALL, ids=lambda r: repr(r).split("(")[0])
-def test_recipes_in_a_stacked_haliax_model(recipe, getkey):
-    # A stacked Haliax model: converted, differentiated, no state.
-    model = fp8ax.fp8_linear_layers(Deep.init(key=getkey()), fp8ax.Fp8Config(recipe=recipe))
-    xb = hax.random.normal(getkey(), (Batch, In))
-    grads = eqx.filter_jit(eqx.filter_grad(lambda m: hax.mean(m(xb) ** 2).scalar()))(model)
-    overwrite, rest = fp8ax.partition_for_grad_overwrite(grads)
-    assert jax.tree.leaves(overwrite) == []
-    assert rest.blocks.stacked.mlp.up_proj.weight.array.shape == model.blocks.stacked.mlp.up_proj.weight.array.shape
-    new = fp8ax.apply_updates(model, jax.tree.map(lambda a: -0.1 * a, rest), overwrite)
-    assert new.head(xb).axes == (Batch, Out)
-
-
-# Forward and gradient SQNR (dB) vs float32, (64 x 256) @ (256 x 64), normal data, and
-# the bound each must clear (a few dB under the measured value). Rounding to m mantissa
-# bits gives roughly 6 * m + 10 dB on such data: 3 bits (E4M3, FP6 E2M3) ~28 dB, 2 bits
-# (E5M2, FP6 E3M2) ~24 dB for the gradient GEMMs, 1 bit (FP4 E2M1) ~16 dB; int8 with
-# per-row scales ~40 dB. Measured: tensor 28.5/24.6/24.5, row 28.7/25.1/25.1, e4m3
-# everywhere 28.7/28.4/28.4, MXFP8 27.5/24.1/24.2, MXFP6 27.9/24.2/24.4, MXFP4
-# 15.6/15.9/16.0, int8 40.1/41.7/41.5 (forward / input gradient / weight gradient).
-SQNR_BOUNDS = [
-    (fp8ax.CurrentScaling(), 25, 22),
-    (fp8ax.CurrentScaling("row"), 25, 22),
-    (fp8ax.CurrentScaling(formats="e4m3"), 25, 25),
-    (fp8ax.MXScaling(), 25, 22),
-    (fp8ax.MXScaling(fwd_element="e2m3", grad_element="e3m2"), 25, 22),
-    (fp8ax.MXScaling(fwd_element="e2m1", grad_element="e2m1"), 13, 13),
-    (fp8ax.Int8Scaling(), 35, 35),
-]
-
-
-@pytest.mark.parametrize(
-    "recipe,fwd_db,grad_db",
-    SQNR_BOUNDS,
-    ids=lambda v: repr(v).split("(")[0] + repr(v)[-12:] if not isinstance(v, int) else str(v),
-)
-def test_sqnr_per_recipe(recipe, fwd_db, grad_db, getkey):
-    x = jax.random.normal(getkey(), (64, 256))
-    w = jax.random.normal(getkey(), (256, 64))
-    gy = jax.random.normal(getkey(), (64, 64))
-    dg = fp8ax.Fp8DotGeneral.init(recipe)
-
-    @jax.jit
-    def fwd_bwd(x, w, gy):
-        y, vjp = jax.vjp(lambda x, w: dg(x, w, DIMS), x, w)
-        return (y, *vjp(gy))
-
-    y, dx, dw = fwd_bwd(x, w, gy)
-    got = (sqnr(x @ w, y), sqnr(gy @ w.T, dx), sqnr(x.T @ gy, dw))
-    print(type(recipe).__name__, [f"{v:.1f}" for v in got])
-    assert got[0] > fwd_db and min(got[1:]) > grad_db, got
+# The recipe-generic tests (transforms, a stacked Haliax model, SQNR, the reference
+# conformance) run over tests/recipe_registry.py, in tests/test_recipe_conformance.py.
 
 
 def test_mx_contracting_dim_not_a_multiple_of_the_block(getkey):

@@ -257,10 +257,11 @@ def test_bad_operands_are_errors():
 @pytest.mark.parametrize("margin", [0, 3])
 def test_scales_planned_together_are_each_states_own(algo, margin, getkey):
     # `plan` computes the scales of a call's states on a stack of them; each must be the
-    # formula for that state alone (float32: amax * float32(2**margin / fp8_max), the old
-    # scale where the history gives no usable amax), and what `quantize_operand` of that
-    # state alone uses. Two formats, an empty and a corrupt history, one that
-    # underflows, and one of another length (planned apart: it cannot be stacked).
+    # formula for that state alone (float32: amax * float32(2**margin / fp8_max), at
+    # least 2**-126, the old scale where the history gives no usable amax), and what
+    # `quantize_operand` of that state alone uses. Two formats, an empty and a corrupt
+    # history, one that underflows, and one of another length (planned apart: it cannot
+    # be stacked).
     recipe = fp8ax.DelayedScaling(history_length=4, margin=margin, amax_compute_algo=algo, calibrate_first_call=False)
     e4, e5 = recipe.fwd_dtype, recipe.grad_dtype
     cases = [  # (scale, history, format)
@@ -268,7 +269,7 @@ def test_scales_planned_together_are_each_states_own(algo, margin, getkey):
         (0.25, [0.0, 0.0, 0.0, 0.0], e4),
         (2.0, [5.0, -1.0, 0.0, 0.0], e5),
         (1.0, [1e-3, 7.0, 0.0, 0.0], e5),
-        (0.125, [1e-44, 1e-45, 0.0, 0.0], e4),
+        (0.125, [1e-37, 2e-38, 0.0, 0.0], e4),  # a normal amax whose scale would be subnormal
         (3.0, [600.0, 2.0, 1.0, 0.0, 0.0, 0.0], e5),
     ]
     states = [(jnp.float32(s), jnp.asarray(h, jnp.float32)) for s, h, _ in cases]
@@ -278,7 +279,9 @@ def test_scales_planned_together_are_each_states_own(algo, margin, getkey):
         h = np.asarray(h, np.float32)
         amax = (h.max() if algo == "max" else h[0]) if h.min() >= 0 else np.float32(0)
         new = np.float32(amax) * np.float32(2.0**margin / float(ml_dtypes.finfo(d).max))
-        want = new if (np.isfinite(new) and new > 0) else np.float32(s)
+        # At least the smallest normal float32 (an amax of 1e-44 gives 2**-126, not 0).
+        new = max(new, np.float32(2.0**-126))
+        want = new if (np.isfinite(new) and amax > 0) else np.float32(s)
         got = recipe.planned_scale(p)
         assert np.asarray(got) == want, (s, h.tolist())
         assert np.asarray(p.inv) == np.float32(1) / want

@@ -22,6 +22,7 @@ import pytest
 
 import fp8ax
 from helpers import Batch, Deep, HaliaxMLP, In, Mid, Out, mse, sgd_step, sqnr
+from recipe_registry import REGISTRY
 
 pytestmark = pytest.mark.needs_hax_dot
 
@@ -29,15 +30,7 @@ pytestmark = pytest.mark.needs_hax_dot
 # process (tests/test_per_example.py); these tests are about serving.
 pytestmark = [pytestmark, pytest.mark.filterwarnings("ignore:.*a layer with per-example scales:UserWarning")]
 
-RECIPES = {
-    "delayed": fp8ax.DelayedScaling(),
-    "delayed-margin-recent": fp8ax.DelayedScaling(history_length=4, margin=1, amax_compute_algo="most_recent"),
-    "current": fp8ax.CurrentScaling(),
-    "current-row": fp8ax.CurrentScaling("row", power_of_two=True),
-    "int8": fp8ax.Int8Scaling(),
-    "mx": fp8ax.MXScaling(block_size=8),
-    "mx-fp4": fp8ax.MXScaling(block_size=8, fwd_element="e2m1"),
-}
+RECIPES = {name: entry.recipe for name, entry in REGISTRY.items()}  # tests/recipe_registry.py
 
 
 def _eqx_mlp(key):

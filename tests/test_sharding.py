@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from recipe_registry import REGISTRY
+
 HERE = pathlib.Path(__file__).resolve().parent
 CASES = [
     "data_parallel",
@@ -26,6 +28,7 @@ CASES = [
     "shard_map_no_check_vma",
     "shard_map_pmean_or_psum_of_state_is_wrong",
     "eager_shard_map_no_check_vma_refuses",
+    *(f"recipe:{name}" for name in REGISTRY),  # every recipe of tests/recipe_registry.py
 ]
 
 
@@ -53,7 +56,9 @@ def test_every_case_ran(results):
 
 # The cases that train Haliax models (hax.nn.Linear calls hax.dot); the shard_map cases use
 # Fp8DotGeneral directly.
-HALIAX_CASES = {"data_parallel", "fsdp", "tensor_parallel", "fsdp_tp", "global_amax", "fp8_all_gather"}
+HALIAX_CASES = {"data_parallel", "fsdp", "tensor_parallel", "fsdp_tp", "global_amax", "fp8_all_gather"} | {
+    c for c in CASES if c.startswith("recipe:")
+}
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import optax
 import pytest
 
 import fp8ax
+from recipe_registry import STATELESS
 
 In, Hidden, Out, Batch = hax.Axis("In", 32), hax.Axis("Hidden", 128), hax.Axis("Out", 8), hax.Axis("Batch", 128)
 
@@ -97,25 +98,12 @@ def test_equinox_mlp_fp8_matches_bf16():
     assert abs(fp8 - bf16) <= 0.1 * bf16, (fp8, bf16)
 
 
-# Loss gap to bf16 allowed per recipe. FP8/MXFP8/int8: 10%, as for delayed scaling.
-# MXFP4 (E2M1: 1 mantissa bit, 8 magnitudes per block) rounds every GEMM operand with a
-# relative error of up to 1/6 (half the spacing between 4 and 6), gradients included, so
-# 300 steps land visibly above bf16 (measured +24%): allowed 35%.
-RECIPES = [
-    (fp8ax.CurrentScaling(), 0.1),
-    (fp8ax.CurrentScaling("row", power_of_two=True), 0.1),
-    (fp8ax.CurrentScaling(grad_rounding="stochastic"), 0.1),
-    (fp8ax.MXScaling(), 0.1),
-    (fp8ax.MXScaling(fwd_element="e2m1", grad_element="e2m1"), 0.35),
-    (fp8ax.Int8Scaling(), 0.1),
-]
-
-
+# Every stateless recipe of the registry (tests/recipe_registry.py), with the loss gap to
+# bf16 its entry allows (delayed scaling trains in the tests above).
 @pytest.mark.needs_hax_dot
-@pytest.mark.parametrize(
-    "recipe,tolerance", RECIPES, ids=lambda v: repr(v).split("(")[0] if not isinstance(v, float) else str(v)
-)
-def test_each_recipe_trains_like_bf16(recipe, tolerance, haliax_setup):
+@pytest.mark.parametrize("name", list(STATELESS))
+def test_each_recipe_trains_like_bf16(name, haliax_setup):
+    recipe, tolerance = STATELESS[name].recipe, STATELESS[name].train_tolerance
     model, loss_fn, batches, bf16 = haliax_setup
     low = _train(fp8ax.fp8_linear_layers(model, fp8ax.Fp8Config(recipe=recipe)), loss_fn, batches, 300)
     print(f"{recipe!r}: {low:.5f} vs bf16 {bf16:.5f}")

@@ -26,7 +26,7 @@ from . import _formats
 from ._int8 import int8_quantize
 from ._mx import MX_ELEMENT_TYPES, mx_dequantize, mx_quantize
 from ._quantized import QuantizedArray, ScaleLayout
-from ._recipes import AbstractScalingRecipe, _no_merge
+from ._recipes import AbstractScalingRecipe, _as_operands, _no_merge
 from ._rounding import stochastic_round
 
 Granularity = Literal["tensor", "row"]
@@ -42,11 +42,29 @@ class AbstractStatelessRecipe(AbstractScalingRecipe):
     def quantize(self, x: Array, contracting_axes: tuple[int, ...], dtype, key=None) -> QuantizedArray:
         """Quantises `x`, an operand of a GEMM that contracts `contracting_axes`, to `dtype`."""
 
+    def quantize_role(self, x: Array, contracting_axes: tuple[int, ...], role: str, key=None) -> QuantizedArray:
+        """Quantises `x` as operand `role` (`"lhs"`, `"rhs"` or `"grad"`) of a GEMM that
+        contracts `contracting_axes`: what the GEMM pipeline calls. The default is
+        `quantize` in the role's format (`dtype_for(role)`); a recipe whose layout
+        depends on the role (2D weight blocks) overrides this."""
+        return self.quantize(x, contracting_axes, self.dtype_for(role), key)
+
     def quantize_operand(self, x, contracting_axes, dtype, *, state=None, key=None, merge=_no_merge):
         del merge
         if state is not None:
             raise ValueError(f"`state` must be None: {type(self).__name__} keeps no state.")
         return self.quantize(x, contracting_axes, dtype, key), None
+
+    def quantize_operands(self, operands):
+        out = []
+        for op in _as_operands(operands):
+            if op.state is not None:
+                raise ValueError(f"`state` must be None: {type(self).__name__} keeps no state.")
+            if op.role is None:  # a caller that names the format, not the role
+                out.append((self.quantize(op.x, op.contracting_axes, op.dtype, op.key), None))
+            else:
+                out.append((self.quantize_role(op.x, op.contracting_axes, op.role, op.key), None))
+        return out
 
 
 def _check_granularity(value):
@@ -146,6 +164,9 @@ class CurrentScaling(AbstractStatelessRecipe):
     @property
     def scale_layout(self) -> ScaleLayout:
         return self.granularity
+
+    def stochastic(self, role: str) -> bool:
+        return role == "grad" and self.grad_rounding == "stochastic"
 
     def quantize(self, x, contracting_axes, dtype, key=None) -> QuantizedArray:
         x = jnp.asarray(x)
@@ -302,6 +323,9 @@ class Int8Scaling(AbstractStatelessRecipe):
     def scale_layout(self) -> ScaleLayout:
         return "row"
 
+    def stochastic(self, role: str) -> bool:
+        return role == "grad" and self.grad_rounding == "stochastic"
+
     def quantize(self, x, contracting_axes, dtype, key=None) -> QuantizedArray:
         del dtype
         x = jnp.asarray(x)
@@ -314,7 +338,13 @@ class Int8Scaling(AbstractStatelessRecipe):
 
 
 def quantize(
-    x, recipe: AbstractStatelessRecipe, axis: int | tuple[int, ...] = -1, *, grad: bool = False, key=None
+    x,
+    recipe: AbstractStatelessRecipe,
+    axis: int | tuple[int, ...] = -1,
+    *,
+    grad: bool = False,
+    key=None,
+    role: str | None = None,
 ) -> QuantizedArray:
     """Quantises an array with a recipe, outside any GEMM (for inspection and serving).
 
@@ -329,6 +359,10 @@ def quantize(
       (Keyword only argument.)
     - `key`: a PRNG key for stochastic rounding (recipes with `grad_rounding="stochastic"`,
       with `grad=True`). (Keyword only argument.)
+    - `role`: the operand `x` stands for in a GEMM: `"lhs"` (the activation, default),
+      `"rhs"` (the weight) or `"grad"` (the output gradient, the same as `grad=True`).
+      Recipes whose layout depends on it ([`fp8ax.BlockwiseScaling`][]'s 2D weight
+      blocks) need it. (Keyword only argument.)
 
     **Returns:**
 
@@ -348,8 +382,13 @@ def quantize(
     if bad or not axes:
         raise ValueError(f"`axis` must name axes of `x` (shape {x.shape}), got {axis!r}.")
     axes = tuple(sorted(a % x.ndim for a in axes))
-    dtype = recipe.grad_dtype if grad else recipe.fwd_dtype
-    stochastic = grad and getattr(recipe, "grad_rounding", "nearest") == "stochastic"
+    if role is None:
+        role = "grad" if grad else "lhs"
+    elif role not in ("lhs", "rhs", "grad"):
+        raise ValueError(f"`role` must be 'lhs', 'rhs' or 'grad', got {role!r}.")
+    elif grad and role != "grad":
+        raise ValueError(f"`grad=True` quantises an output gradient, but `role` is {role!r}.")
+    stochastic = recipe.stochastic(role)
     if stochastic and key is None:
         raise ValueError("`key` is required: the recipe rounds gradients stochastically.")
-    return recipe.quantize(x, axes, dtype, key if stochastic else None)
+    return recipe.quantize_role(x, axes, role, key if stochastic else None)

@@ -13,6 +13,7 @@ INT8_MAX = 127
 # Slices whose amax is below this are treated as all-zero: 127 / amax would overflow
 # float32 (and amax / 127 would be subnormal, which XLA may flush to zero).
 _TINY_AMAX = INT8_MAX * float(np.finfo(np.float32).tiny)
+_TINY = np.float32(np.finfo(np.float32).tiny)
 
 
 def int8_quantize(x: ArrayLike, contracting_axes: tuple[int, ...]) -> tuple[Array, Array]:
@@ -32,7 +33,8 @@ def int8_quantize(x: ArrayLike, contracting_axes: tuple[int, ...]) -> tuple[Arra
     float32 with `x`'s rank and size 1 along `contracting_axes` (keepdims), the
     *dequantisation* scale, so that `values * scale ~ x`.
 
-    With `amax = max |x|` over `contracting_axes`, `scale = amax / 127` and
+    With `amax = max |x|` over `contracting_axes`, `scale = amax * float32(1 / 127)`
+    (rounded once, at least the smallest normal float32) and
     `values = clip(round_half_to_even(x * (127 / amax)), -127, 127)`. Quantising by
     multiplying with `127 / amax` (not dividing by `scale`) is what AQT does: the
     integer values are bit-for-bit AQT's (the two can differ by one at rounding ties).
@@ -49,7 +51,10 @@ def int8_quantize(x: ArrayLike, contracting_axes: tuple[int, ...]) -> tuple[Arra
     nonzero = amax >= jnp.float32(_TINY_AMAX)
     safe_amax = jnp.where(nonzero, amax, jnp.float32(INT8_MAX))
     inv_scale = jnp.float32(INT8_MAX) / safe_amax  # 1 for all-zero slices
-    scale = jnp.where(nonzero, amax / jnp.float32(INT8_MAX), jnp.float32(1))
+    # `amax * float32(1 / 127)`, one rounding: what XLA computes for `amax / 127` in a
+    # jitted program (it rewrites a division by a constant into a multiplication by its
+    # reciprocal), written out so that eager and jitted calls agree bit for bit.
+    scale = jnp.where(nonzero, jnp.maximum(amax * jnp.float32(1 / INT8_MAX), _TINY), jnp.float32(1))
     values = jnp.clip(jnp.round(xf * inv_scale), -INT8_MAX, INT8_MAX).astype(jnp.int8)
     return values, scale
 

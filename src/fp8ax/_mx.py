@@ -354,9 +354,20 @@ def mx_dequantize(values: ArrayLike, scales: ArrayLike, axis: int, block_size: i
             f"block_size={block_size}, got {scales.shape}."
         )
 
-    code = lax.bitcast_convert_type(jnp.moveaxis(scales, axis, -1), jnp.uint8).astype(jnp.int32)
-    shift = code - _E8M0_BIAS - (6 if values.dtype == np.dtype(jnp.int8) else 0)
-    blocks = _to_blocks(values.astype(jnp.float32), axis, block_size)
-    out = _ldexp_f32(blocks, shift[..., None])
-    out = jnp.where((code == _E8M0_NAN)[..., None], jnp.float32(jnp.nan), out)
-    return _from_blocks(out, axis, n).astype(out_dtype)
+    expanded = lax.slice_in_dim(jnp.repeat(scales, block_size, axis=axis), 0, n, axis=axis)
+    return e8m0_ldexp(values, expanded).astype(out_dtype)
+
+
+def e8m0_ldexp(values: Array, scales: Array, int_exponent: int = 0) -> Array:
+    """`values * scales` in float32, exactly, for E8M0 `scales` broadcastable against
+    `values` (one per element, or size 1 along some axes): the product is formed on the
+    bit patterns, so results in float32's subnormal range survive on every backend. An
+    `int8` array is read as MXINT8 (`k * 2**-6`); `int_exponent` multiplies by a further
+    `2**int_exponent`. A NaN scale (`0xFF`) gives NaN."""
+    values = jnp.asarray(values)
+    code = lax.bitcast_convert_type(jnp.asarray(scales), jnp.uint8).astype(jnp.int32)
+    shift = code - _E8M0_BIAS - (6 if values.dtype == np.dtype(jnp.int8) else 0) + int(int_exponent)
+    vf = values.astype(jnp.float32)
+    shift = jnp.broadcast_to(shift, vf.shape)
+    out = _ldexp_f32(vf, shift)
+    return jnp.where(jnp.broadcast_to(code == _E8M0_NAN, vf.shape), jnp.float32(jnp.nan), out)

@@ -30,7 +30,7 @@ from jaxtyping import Array
 from . import _boundaries
 from ._boundaries import vma
 from ._current import content_key
-from ._layout import bwd_layout, oriented_gemm, rescale
+from ._layout import block_scaled_dot, bwd_layout, oriented_gemm, rescale
 from ._maxgrad import as_f32, merged_amax, raw_to_max
 from ._quantized import QuantizedArray
 from ._recipes import Operand
@@ -136,8 +136,8 @@ def _grad_once(call: Call) -> bool:
     hp = call.settings.high_precision_gemms
     return (
         recipe is not None
-        and recipe.scale_layout == "tensor"
-        and not _stochastic(recipe)
+        and recipe.contraction_independent("grad")
+        and not recipe.stochastic("grad")
         and not ("dlhs" in hp and "drhs" in hp)
     )
 
@@ -152,8 +152,7 @@ def _gemms(call: Call):
 
 
 def _role_dtype(call: Call, role: str) -> np.dtype:
-    recipe = call.settings.operand_recipe(role)
-    return recipe.grad_dtype if role == "grad" else recipe.fwd_dtype
+    return call.settings.operand_recipe(role).dtype_for(role)
 
 
 def _planned_scales(call: Call, plans: dict) -> dict:
@@ -216,12 +215,20 @@ def _epilogue_scaled(call: Call, name: str, a: str, b: str, out_dtype) -> bool:
 def _reusable(call: Call, role: str, q) -> bool:
     """Whether a forward-quantised operand serves the backward GEMM too."""
     recipe = call.settings.operand_recipe(role)
-    return q is not None and recipe.scale_layout == "tensor"
+    return q is not None and recipe.contraction_independent(role)
 
 
-def _low_precision_pair(qa, qb) -> str | None:
-    """The accumulation a GEMM of the two quantised values can run with, if any."""
-    if not (qa.scale_factorises and qb.scale_factorises):
+def _plainly_scaled(q) -> bool:
+    """Whether `q`'s scale is a float32 multiplier of its values (not E8M0's power of two,
+    no implicit exponent): what a kernel's scaling multiplies by."""
+    return np.dtype(q.scale.dtype) == np.dtype(np.float32) and q.int_exponent == 0
+
+
+def _low_precision_pair(qa, qb, dims) -> str | None:
+    """The accumulation a GEMM of the two quantised values can run with, if any: their
+    scales are constant along the axes it contracts, so they factor out."""
+    (lc, rc), _ = dims
+    if not (qa.constant_along(lc) and qb.constant_along(rc) and _plainly_scaled(qa) and _plainly_scaled(qb)):
         return None
     da, db = np.dtype(qa.values.dtype), np.dtype(qb.values.dtype)
     if da == db == np.dtype(np.int8):
@@ -241,12 +248,37 @@ def _f32(x):
     return lax.convert_element_type(jnp.asarray(x), np.float32)
 
 
+# A GEMM is split into chunks of the contraction no shorter than this; scales that vary
+# faster (per element) are dequantised instead.
+_MIN_CHUNK = 8
+
+
+def chunk_lengths(qa: QuantizedArray, qb: QuantizedArray, dims) -> tuple[int, ...] | None:
+    """For each contracted pair of axes, the length of the chunks over which both
+    operands' scales are constant (tiles of equal extent, or one of them constant along
+    the whole axis); None if there is none of at least `_MIN_CHUNK` elements."""
+    (lc, rc), _ = dims
+    out = []
+    for la, rb in zip(lc, rc):
+        n = qa.values.shape[la]
+        ea, eb = qa.tile_extent(la), qb.tile_extent(rb)
+        c = ea if ea == eb or eb == n else (eb if ea == n else None)
+        if c is None or c < min(_MIN_CHUNK, n):
+            return None
+        out.append(c)
+    return tuple(out)
+
+
+def _others(q, axes) -> tuple[int, ...]:
+    return tuple(d for d in range(q.values.ndim) if d not in axes)
+
+
 def _fp8_pair(qa, qb) -> bool:
     return all(q is not None and _is_fp8(q.values.dtype) for q in (qa, qb))
 
 
 def _dequantise(q: QuantizedArray, dtype):
-    if q.layout == "tensor":
+    if q.layout == "tensor" and _plainly_scaled(q):
         # XLA's pattern for an FP8 GEMM: convert to the compute dtype, multiply by the
         # scale in that dtype, dot. `"qdq"` mode relies on XLA rewriting exactly this.
         return q.values.astype(dtype) * q.scale.astype(dtype)
@@ -259,7 +291,24 @@ def _gemm(call: Call, qa, a, qb, b, dims, precision, out_dtype, scale=None):
     `scale`, if given, is `qa.scale * qb.scale` in float32, computed beforehand."""
     ref = np.result_type(call.lhs_dtype, call.rhs_dtype)
     if call.settings.mode == "direct" and qa is not None and qb is not None:
-        pair = _low_precision_pair(qa, qb)
+        pair = _low_precision_pair(qa, qb, dims)
+        if pair is None and _fp8_pair(qa, qb) and _plainly_scaled(qa) and _plainly_scaled(qb):
+            chunks = chunk_lengths(qa, qb, dims)
+            if chunks is not None:
+                # Scales that vary along the contraction (blocks, tiles): one GEMM per chunk
+                # of the contraction over which both are constant, each accumulated in
+                # float32 and scaled, summed in float32 in order (DeepSeek-V3's promotion).
+                (lc, rc), _ = dims
+                out = block_scaled_dot(
+                    qa.values,
+                    qa.expanded_scale(_others(qa, lc)),
+                    qb.values,
+                    qb.expanded_scale(_others(qb, rc)),
+                    dims,
+                    chunks,
+                    precision,
+                )
+                return out.astype(out_dtype)
         if pair is not None:
             # The kernel's computation: low-precision values, wide accumulation, then the
             # scales (one scalar multiply for two tensor-wise scales).
@@ -279,7 +328,9 @@ def _gemm(call: Call, qa, a, qb, b, dims, precision, out_dtype, scale=None):
                 return lax.mul(out, lax.broadcast_in_dim(scale, out.shape, ()))
             acc_dtype = jnp.int32 if pair == "int32" else jnp.float32
             acc = lax.dot_general(qa.values, qb.values, dims, precision=precision, preferred_element_type=acc_dtype)
-            return rescale(acc, qa.scale, qa.values.shape, qb.scale, qb.values.shape, dims).astype(out_dtype)
+            return rescale(
+                acc, qa.expanded_scale(), qa.values.shape, qb.expanded_scale(), qb.values.shape, dims
+            ).astype(out_dtype)
     # Dequantise-then-GEMM: `"qdq"` mode, MX blocks, or an operand kept in high precision.
     da = _dequantise(qa, ref) if qa is not None else a.astype(ref)
     db = _dequantise(qb, ref) if qb is not None else b.astype(ref)
@@ -318,7 +369,7 @@ def _fwd(call: Call, lhs, rhs, *raw):
             [("lhs", lhs, lc, states["lhs"], None, plans["lhs"]), ("rhs", rhs, rc, states["rhs"], None, plans["rhs"])],
         )
         if qr is not None and states["rhs"] is not None and st.fp8_all_gather_axes is not None:
-            qr = QuantizedArray(_lay_out_by_axis_mapping(qr.values, st.fp8_all_gather_axes), qr.scale)
+            qr = qr.with_values(_lay_out_by_axis_mapping(qr.values, st.fp8_all_gather_axes))
     # A GEMM's precomputed output scale serves only operands quantised with the planned
     # scales (the very arrays the plan holds).
     planned = _planned_scales(call, plans)
@@ -395,7 +446,7 @@ def _bwd(call: Call, residuals, g):
 
 
 def _stochastic(recipe) -> bool:
-    return recipe is not None and getattr(recipe, "grad_rounding", "nearest") == "stochastic"
+    return recipe is not None and recipe.stochastic("grad")
 
 
 def _operand(call: Call, role: str, res, axes, key=None):
@@ -476,7 +527,7 @@ def _batchable_drhs(call: Call):
             # free ones in order: the examples' axis is the first of those.
             g = jnp.moveaxis(g, 0, len(lb))
             if shared_g is not None:
-                shared_g = QuantizedArray(jnp.moveaxis(shared_g.values, 0, len(lb)), shared_g.scale)
+                shared_g = shared_g.with_values(jnp.moveaxis(shared_g.values, 0, len(lb)))
             # The scales are the examples' shared ones, and so is their product.
             scale = None if s_b else scale
             return _batchable_drhs(call._replace(dims=dims))(res_l, res_r, g, shared_g, scale, key), False

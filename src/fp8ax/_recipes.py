@@ -104,6 +104,26 @@ class AbstractScalingRecipe(eqx.Module):
         in the backward GEMMs."""
         raise NotImplementedError
 
+    def dtype_for(self, role: str) -> np.dtype:
+        """The format operand `role` (`"lhs"`, `"rhs"` or `"grad"`) is quantised to:
+        `grad_dtype` for the output gradient, `fwd_dtype` for the others."""
+        return self.grad_dtype if role == "grad" else self.fwd_dtype
+
+    def contraction_independent(self, role: str) -> bool:
+        """Whether operand `role` is quantised the same whatever axes its GEMM contracts,
+        so that the forward pass's quantised copy serves the backward GEMMs too (and the
+        output gradient is quantised once for both). True for tensor-wise scales (the
+        default derives it from `scale_layout`); a recipe with 2D weight blocks says so
+        for `"rhs"`."""
+        del role
+        return self.scale_layout == "tensor"
+
+    def stochastic(self, role: str) -> bool:
+        """Whether operand `role` is rounded stochastically (it then needs a `key`).
+        The default rounds everything to nearest."""
+        del role
+        return False
+
     def init_state(self, batch_shape: tuple[int, ...] = ()) -> ScalingState | None:
         """Fresh state for one operand (`batch_shape` for stacked layers); None for a
         stateless recipe."""
@@ -189,6 +209,9 @@ _CORRUPT_STATE = (
     "`grads`, and apply both with `model = fp8ax.apply_updates(model, updates, overwrite)`."
 )
 
+
+# The smallest normal float32: the least scale (see `DelayedScaling._checked`).
+_TINY = np.float32(2.0**-126)
 
 STALE_CALLS = 100
 # A layer found fresh on this many training steps in a row is a dropped state.
@@ -504,14 +527,20 @@ class DelayedScaling(AbstractScalingRecipe):
         # which would make the state depend by an ulp on how a layer was called.
         # `fp8_max` may be a tuple: one format per entry of the last axis (several
         # operands' states stacked), the same float32 multiply for each.
+        #
+        # The scale is at least the smallest normal float32, as in current scaling: a
+        # smaller product would be flushed to zero (XLA does on CPUs and GPUs), which
+        # used to keep the old scale and flush a tensor of tiny values (amax below about
+        # 5.3e-36 for E4M3) to zero.
         factor = np.float32(2.0**self.margin) / np.asarray(fp8_max, np.float64)
         new = lax.mul(amax, _formats.broadcast(jnp.asarray(factor.astype(np.float32)), jnp.shape(amax)))
+        new = lax.max(new, lax.full_like(new, _TINY))
         if finite_amax and np.all(factor <= 1):
             # A finite amax times a factor <= 1 cannot overflow: only zero (an empty
-            # history) and underflow remain.
-            return _formats.select(lax.gt(new, np.float32(0)), new, scale)
-        # Covers a zero, NaN or inf amax, and a product that under/overflows.
-        return _formats.select(_positive_finite(new), new, scale)
+            # history) remains.
+            return _formats.select(lax.gt(amax, np.float32(0)), new, scale)
+        # Covers a zero, NaN or inf amax, and a product that overflows.
+        return _formats.select(lax.bitwise_and(_positive_finite(amax), lax.is_finite(new)), new, scale)
 
     def _past_amax(self, amax_history, longest):
         return longest if self.amax_compute_algo == "max" else amax_history[..., 0]

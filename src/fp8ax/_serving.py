@@ -32,7 +32,7 @@ from ._dot_general import Fp8DotGeneral, _check_operand, make_call
 from ._haliax_compat import require_haliax_matmul
 from ._pipeline import Call, _gemm, _quantise, vma
 from ._quantized import QuantizedArray
-from ._recipes import _CORRUPT_STATE, DelayedScaling
+from ._recipes import _CORRUPT_STATE, DelayedScaling, Operand
 from ._settings import GemmSettings
 from ._transform import Fp8Linear, linear_call, path_str
 
@@ -95,8 +95,7 @@ class _Serve(NamedTuple):
     call: Call
     role: Literal["lhs", "rhs"]  # which operand of the dot general is the stored weight
     layer: str
-    block_axis: int | None  # the weight's MX layout (QuantizedArray's static fields)
-    block_size: int | None
+    tile: tuple[int, ...] | None  # the quantised weight's layout (QuantizedArray's static fields)
     int_exponent: int
 
 
@@ -113,7 +112,7 @@ def _serve(s: _Serve, x, w_values, w_scale, x_scale):
         qx, _ = _quantise(call, x_role, x, x_axes)
     if np.dtype(w_scale.dtype) == np.dtype(np.uint8):
         w_scale = lax.bitcast_convert_type(w_scale, _E8M0)
-    qw = QuantizedArray(w_values, w_scale, s.block_axis, s.block_size, s.int_exponent)
+    qw = QuantizedArray(w_values, w_scale, s.tile, s.int_exponent)
     if s.role == "rhs":
         return _gemm(call, qx, x, qw, None, call.dims, call.fwd_precision, call.out_dtype)
     return _gemm(call, qw, None, qx, x, call.dims, call.fwd_precision, call.out_dtype)
@@ -161,9 +160,9 @@ class ServingDotGeneral(eqx.Module):
     settings: GemmSettings = eqx.field(static=True)
     weight_dtype: np.dtype = eqx.field(static=True)  # the training weight's dtype (before `compute_dtype`)
     value_dtype: np.dtype = eqx.field(static=True)  # the low-precision format of the stored values
-    block_axis: int | None = eqx.field(static=True)
-    block_size: int | None = eqx.field(static=True)
+    tile: tuple[int, ...] | None = eqx.field(static=True)  # the layout of the weight's scales
     int_exponent: int = eqx.field(static=True)
+    weight_scale_dtype: np.dtype = eqx.field(static=True)  # as stored: float32, or uint8 bits of E8M0
     layer: str = eqx.field(static=True)  # the layer's path in the model, for messages
 
     @jax.named_scope("fp8ax.ServingDotGeneral")
@@ -222,11 +221,11 @@ class ServingDotGeneral(eqx.Module):
             lhs_vma=vma(lhs),
             rhs_vma=vma(rhs),
         )
-        s = _Serve(call, role, self.layer, self.block_axis, self.block_size, self.int_exponent)
+        s = _Serve(call, role, self.layer, self.tile, self.int_exponent)
         return _serving_gemm(s, x, w, self.weight_scale, self.input_scale)
 
     def _check_scales(self):
-        want = np.dtype(np.uint8) if self.block_axis is not None else np.dtype(np.float32)
+        want = self.weight_scale_dtype
         for name, value in (("weight_scale", self.weight_scale), ("input_scale", self.input_scale)):
             if value is not None and np.dtype(value.dtype) != (want if name == "weight_scale" else np.float32):
                 raise TypeError(
@@ -396,10 +395,10 @@ def _convert_gemm(
     delayed = st.recipe.stateful
     if delayed and check:
         _check_filled(layer, dg, stacked)
-    dtype = recipe.fwd_dtype
+    dtype = recipe.dtype_for("rhs")
 
     def quantise(w, state):
-        return recipe.quantize_operand(w, contracting, dtype, state=state)[0]
+        return recipe.quantize_operands([Operand(w, tuple(contracting), dtype, state, role="rhs")])[0][0]
 
     state = (dg.rhs.scale, dg.rhs.amax_history) if delayed else None
     q = eqx.filter_jit(_vmapped(quantise, n_batch))(w, state)
@@ -422,9 +421,9 @@ def _convert_gemm(
         settings=st,
         weight_dtype=weight_dtype,
         value_dtype=np.dtype(q.values.dtype),
-        block_axis=q.block_axis,
-        block_size=q.block_size,
+        tile=q.tile,
         int_exponent=q.int_exponent,
+        weight_scale_dtype=np.dtype(scale.dtype),
         layer=layer,
     )
     return eqx.filter_jit(encode)(q.values), serving

@@ -27,8 +27,8 @@ from . import _formats
 from ._dot_general import Fp8DotGeneral
 from ._layout import bwd_layout
 from ._maxgrad import merged_amax
-from ._pipeline import _stochastic
 from ._quantized import QuantizedArray
+from ._recipes import Operand
 from ._transform import Fp8Linear, _haliax_batch_shape, path_str
 
 ROLES = ("lhs", "rhs", "grad")
@@ -92,7 +92,7 @@ def operand_counts(x: Array, q: QuantizedArray) -> dict[str, Array]:
     xf = jnp.asarray(x).astype(jnp.float32)
     finite = jnp.isfinite(xf)
     # The scale of every element (tensor, row or MX block), as the values' dtype reads it.
-    one = QuantizedArray(jnp.ones_like(q.values), q.scale, q.block_axis, q.block_size, q.int_exponent)
+    one = q.with_values(jnp.ones_like(q.values))
     elem_scale = jnp.broadcast_to(one.dequantize(jnp.float32), xf.shape)
     # The quantiser's own arithmetic: x * (1 / scale), in float32.
     saturated = finite & (jnp.abs(xf * _formats.reciprocal(elem_scale)) > jnp.float32(_bound(q.values.dtype)))
@@ -110,18 +110,15 @@ def operand_counts(x: Array, q: QuantizedArray) -> dict[str, Array]:
 def _quantised_as_the_layer_does(recipe, role: str, x, axes, state=()) -> QuantizedArray:
     """`x` quantised by `recipe` as the layer's `role` operand, with its `(scale,
     history)` `state` (empty for a stateless recipe)."""
-    dtype = recipe.grad_dtype if role == "grad" else recipe.fwd_dtype
-    key = jax.random.key(0) if role == "grad" and _stochastic(recipe) else None
+    dtype = recipe.dtype_for(role)
+    key = jax.random.key(0) if recipe.stochastic(role) else None
     if not state:
-        q, _ = recipe.quantize_operand(x, axes, dtype, key=key)
-        return q
+        return recipe.quantize_operands([Operand(x, tuple(axes), dtype, key=key, role=role)])[0][0]
     scale, history = state
     # As the GEMM pipeline does: a first call (empty history) under `vmap` calibrates on
     # the amax of the whole batch, not of each example.
-    q, _ = recipe.quantize_operand(
-        x, axes, dtype, state=(scale, history), key=key, merge=lambda v: merged_amax(v, scale)
-    )
-    return q
+    op = Operand(x, tuple(axes), dtype, (scale, history), key, lambda v: merged_amax(v, scale), role=role)
+    return recipe.quantize_operands([op])[0][0]
 
 
 def _state_of(dg: Fp8DotGeneral, role: str) -> tuple:
