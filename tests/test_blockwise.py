@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import fp8ax
+from helpers import adam_trained
 
 E4M3 = ml_dtypes.float8_e4m3fn
 DIMS = (((1,), (0,)), ((), ()))
@@ -176,18 +177,8 @@ def test_trains_and_serves_bit_exact(getkey):
     def loss(m):
         return jnp.mean((jax.vmap(m)(x) - y) ** 2)
 
-    import optax
-
-    opt = optax.adam(1e-2)
-    _, trainable = fp8ax.partition_for_grad_overwrite(model)
-    with jax.numpy_dtype_promotion("standard"):
-        state = opt.init(eqx.filter(trainable, eqx.is_array))
-        first = float(loss(model))
-        for _ in range(20):
-            grads = eqx.filter_grad(loss)(model)
-            overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)
-            updates, state = opt.update(grads, state, eqx.filter(model, eqx.is_array))
-            model = fp8ax.apply_updates(model, updates, overwrite)
+    first = float(loss(model))
+    model = adam_trained(model, loss, 20)
     assert float(loss(model)) < 0.7 * first
     serving = fp8ax.to_serving(model)
     hidden = serving.layers[1]

@@ -9,11 +9,10 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-import optax
 import pytest
 
 import fp8ax
-from helpers import Batch, Deep, In, Out, sqnr
+from helpers import Batch, Deep, In, Out, adam_trained, sqnr
 from recipe_registry import REGISTRY
 
 DIMS = (((1,), (0,)), ((), ()))
@@ -164,14 +163,7 @@ def _trained_mlp(recipe, getkey, steps=3):
     def loss(m):
         return jnp.mean((jax.vmap(m)(x) - y) ** 2)
 
-    opt = optax.adam(1e-2)
-    _, trainable = fp8ax.partition_for_grad_overwrite(model)
-    with jax.numpy_dtype_promotion("standard"):
-        state = opt.init(eqx.filter(trainable, eqx.is_array))
-        for _ in range(steps):
-            overwrite, grads = fp8ax.partition_for_grad_overwrite(eqx.filter_grad(loss)(model))
-            updates, state = opt.update(grads, state)
-            model = fp8ax.apply_updates(model, updates, overwrite)
+    model = adam_trained(model, loss, steps)
     return model, x
 
 
