@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import fp8ax
 from fp8ax._int8 import int8_dot_general, int8_quantize
 
 MATMUL = (((1,), (0,)), ((), ()))
@@ -253,3 +254,16 @@ def test_rejects_bad_arguments():
         int8_dot_general(q, s, rq, jnp.ones((2,)), MATMUL, jnp.float32)  # wrong rank
     with pytest.raises(TypeError, match="`dimension_numbers`"):
         int8_dot_general(q, s, rq, rs, ((1,), (0,)), jnp.float32)
+
+
+def test_a_non_finite_slice_comes_out_as_nan():
+    # int8 has no NaN: the slice gets values 0 and an infinite scale, so the NaN shows in
+    # the dequantised slice and in the GEMM's row, not as a plausible number.
+    x = np.ones((3, 8), np.float32)
+    x[1, 2] = np.nan
+    x[2, 5] = np.inf
+    values, scale = int8_quantize(jnp.asarray(x), (1,))
+    assert np.all(np.asarray(values)[1:] == 0) and np.all(np.isinf(np.asarray(scale)[1:]))
+    y = fp8ax.Fp8DotGeneral.init(fp8ax.Int8Scaling())(jnp.asarray(x), jnp.ones((8, 4)), MATMUL)
+    y = np.asarray(y)
+    assert np.all(np.isfinite(y[0])) and np.all(np.isnan(y[1:]))

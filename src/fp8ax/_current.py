@@ -79,18 +79,13 @@ def _check_bool(value, name):
     return value
 
 
-# The smallest normal float32. XLA flushes subnormal float32 results to zero (on CPU and
-# GPUs), so a scale below it would be 0.
-_TINY = np.float32(2.0**-126)
-
-
 def _amax_scale(amax, bound: float, power_of_two: bool):
     """Dequantisation scale `amax / bound`, at least the smallest normal float32 (a
     smaller quotient would be flushed to zero: for an amax below `bound * 2**-126`, about
     5.3e-36 for E4M3, the scale is `2**-126` and the values stay below `bound`); 1 where
     the amax is not positive and finite (an all-zero tensor, or one holding a NaN or
     inf)."""
-    scale = jnp.maximum(amax * jnp.float32(1.0 / bound), _TINY)
+    scale = _formats.scale_from_amax(amax, np.float32(1.0 / bound))
     if power_of_two:
         # Round up to a power of two: the largest value still fits, and the scale itself
         # is exact in any format.

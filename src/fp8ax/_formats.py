@@ -57,6 +57,23 @@ def quantize(x: ArrayLike, scale: ArrayLike, dtype: np.dtype, *, inv: ArrayLike 
     return lax.convert_element_type(scale_and_clip(x, scale, dtype, inv=inv), dtype)
 
 
+# The smallest normal float32: the least scale any recipe gives. XLA flushes subnormal
+# float32 results to zero (on CPUs and GPUs), so a smaller scale would be 0.
+SMALLEST_SCALE = np.float32(2.0**-126)
+
+
+def scale_from_amax(amax: ArrayLike, factor) -> Array:
+    """The dequantisation scale of an amax: `amax * factor` in float32, rounded once, and
+    at least `SMALLEST_SCALE` (for an amax below `SMALLEST_SCALE / factor`, about 5.3e-36
+    for E4M3, the values then stay below the format's maximum instead of the tensor
+    being flushed to zero). `factor` is `2**margin / (largest value of the format)`,
+    as a float32 (an array of them for stacked amaxes). What an amax that is not
+    positive and finite gives is the caller's choice: each recipe has its own."""
+    amax = _as_array(amax)
+    new = lax.mul(amax, broadcast(jnp.asarray(np.asarray(factor, np.float32)), jnp.shape(amax)))
+    return lax.max(new, lax.full_like(new, SMALLEST_SCALE))
+
+
 def reciprocal(scale: ArrayLike) -> Array:
     """`1 / scale` in float32: the multiplier `quantize` applies."""
     return lax.div(np.float32(1.0), _as_f32(scale))

@@ -5,6 +5,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, ArrayLike
 
+from . import _formats
 from ._layout import DimensionNumbers, rescale
 from ._layout import normalise_axes as _normalise_axes
 
@@ -13,7 +14,6 @@ INT8_MAX = 127
 # Slices whose amax is below this are treated as all-zero: 127 / amax would overflow
 # float32 (and amax / 127 would be subnormal, which XLA may flush to zero).
 _TINY_AMAX = INT8_MAX * float(np.finfo(np.float32).tiny)
-_TINY = np.float32(np.finfo(np.float32).tiny)
 
 
 def int8_quantize(x: ArrayLike, contracting_axes: tuple[int, ...]) -> tuple[Array, Array]:
@@ -39,22 +39,22 @@ def int8_quantize(x: ArrayLike, contracting_axes: tuple[int, ...]) -> tuple[Arra
     multiplying with `127 / amax` (not dividing by `scale`) is what AQT does: the
     integer values are bit-for-bit AQT's (the two can differ by one at rounding ties).
     A slice whose amax is zero (or below `127 * float32 tiny`, ~1.5e-36) gets
-    `scale = 1` and values 0. int8 has no NaN or inf: a slice containing one has
-    meaningless values (check amax for finiteness upstream).
+    `scale = 1` and values 0. int8 has no NaN or inf: a slice containing one gets values
+    0 and an infinite scale, so it dequantises (and its GEMM rows come out) as NaN.
     """
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"`x` must be a floating-point array, got dtype {x.dtype}.")
     axes = _normalise_axes(contracting_axes, x.ndim, "contracting_axes")
     xf = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(xf), axis=axes, keepdims=True)
+    amax = _formats.amax(xf, axes, keepdims=True)  # inf where a NaN or inf is reduced
     nonzero = amax >= jnp.float32(_TINY_AMAX)
     safe_amax = jnp.where(nonzero, amax, jnp.float32(INT8_MAX))
     inv_scale = jnp.float32(INT8_MAX) / safe_amax  # 1 for all-zero slices
     # `amax * float32(1 / 127)`, one rounding: what XLA computes for `amax / 127` in a
     # jitted program (it rewrites a division by a constant into a multiplication by its
     # reciprocal), written out so that eager and jitted calls agree bit for bit.
-    scale = jnp.where(nonzero, jnp.maximum(amax * jnp.float32(1 / INT8_MAX), _TINY), jnp.float32(1))
+    scale = jnp.where(nonzero, _formats.scale_from_amax(amax, np.float32(1 / INT8_MAX)), jnp.float32(1))
     values = jnp.clip(jnp.round(xf * inv_scale), -INT8_MAX, INT8_MAX).astype(jnp.int8)
     return values, scale
 

@@ -210,9 +210,6 @@ _CORRUPT_STATE = (
 )
 
 
-# The smallest normal float32: the least scale (see `DelayedScaling._checked`).
-_TINY = np.float32(2.0**-126)
-
 STALE_CALLS = 100
 # A layer found fresh on this many training steps in a row is a dropped state.
 EARLY_STEPS = 3
@@ -533,8 +530,7 @@ class DelayedScaling(AbstractScalingRecipe):
         # used to keep the old scale and flush a tensor of tiny values (amax below about
         # 5.3e-36 for E4M3) to zero.
         factor = np.float32(2.0**self.margin) / np.asarray(fp8_max, np.float64)
-        new = lax.mul(amax, _formats.broadcast(jnp.asarray(factor.astype(np.float32)), jnp.shape(amax)))
-        new = lax.max(new, lax.full_like(new, _TINY))
+        new = _formats.scale_from_amax(amax, factor.astype(np.float32))
         if finite_amax and np.all(factor <= 1):
             # A finite amax times a factor <= 1 cannot overflow: only zero (an empty
             # history) remains.
