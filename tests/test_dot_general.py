@@ -359,3 +359,24 @@ def test_bf16_state_is_refused():
     cast = jax.tree.map(lambda a: a.astype(jnp.bfloat16), dg)
     with pytest.raises(TypeError, match=r"FP8 state `lhs.scale` has dtype bfloat16.*fp8ax.cast_floating"):
         cast(jnp.ones((2, 3)), jnp.ones((3, 2)), DIMS)
+
+
+def test_gemm_keywords_are_declared_once():
+    # Fp8DotGeneral.init and Fp8Config pass the GEMM keywords to GemmSettings as they
+    # are: its defaults, its checks, and one error for a misspelt name or for settings
+    # given twice (init used to ignore the keywords when `settings` was given).
+    dg = fp8ax.Fp8DotGeneral.init(fp8ax.CurrentScaling(), high_precision_gemms=["drhs"], compute_dtype=jnp.bfloat16)
+    assert dg.settings == fp8ax.GemmSettings(
+        fp8ax.CurrentScaling(), high_precision_gemms=("drhs",), compute_dtype=jnp.bfloat16
+    )
+    assert fp8ax.Fp8Config().settings == fp8ax.GemmSettings() == fp8ax.Fp8DotGeneral.init().settings
+    with pytest.raises(TypeError, match=r"`Fp8DotGeneral.init` got unexpected keyword arguments \['fwd_precison'\]"):
+        fp8ax.Fp8DotGeneral.init(fwd_precison=None)
+    with pytest.raises(TypeError, match=r"`Fp8Config` got unexpected keyword arguments \['fp8_all_gather_axes'\]"):
+        fp8ax.Fp8Config(fp8_all_gather_axes=("embed",))
+    with pytest.raises(ValueError, match=r"not both; also got \['mode'\]"):
+        fp8ax.Fp8DotGeneral.init(settings=fp8ax.GemmSettings(), mode="qdq")
+    with pytest.raises(ValueError, match=r"not both; also got \['compute_dtype', 'recipe'\]"):
+        fp8ax.Fp8Config(recipe=fp8ax.CurrentScaling(), settings=fp8ax.GemmSettings(), compute_dtype=jnp.bfloat16)
+    with pytest.raises(TypeError, match="`compute_dtype` must be None or a floating dtype"):
+        fp8ax.Fp8Config(compute_dtype=object())

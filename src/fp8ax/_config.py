@@ -1,15 +1,14 @@
 import dataclasses
 import re
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Unpack
 
 import equinox as eqx
 import numpy as np
-from jax import lax
 
 from ._dot_general import _SETTINGS_FIELDS, Fp8DotGeneral
 from ._recipes import AbstractScalingRecipe
-from ._settings import GemmSettings, Mode
+from ._settings import GEMM_KEYWORDS, GemmKeywords, GemmSettings, Mode, settings_from
 
 Targets = None | str | Sequence[str] | Callable[[str, Any], bool]
 
@@ -37,14 +36,7 @@ class Fp8Config(eqx.Module):
         settings: GemmSettings | None = None,
         min_features: int = 0,
         fp8_all_gather: bool = False,
-        compute_dtype=None,
-        fwd_precision: lax.Precision | None = None,
-        dlhs_precision: lax.Precision | None = lax.Precision.DEFAULT,
-        drhs_precision: lax.Precision | None = lax.Precision.DEFAULT,
-        lhs_recipe=None,
-        rhs_recipe=None,
-        grad_recipe=None,
-        high_precision_gemms: Sequence[str] = (),
+        **gemm: Unpack[GemmKeywords],
     ):
         """**Arguments:**
 
@@ -73,31 +65,12 @@ class Fp8Config(eqx.Module):
           training" page of the docs.
         - `compute_dtype`, `fwd_precision`, `dlhs_precision`, `drhs_precision`,
           `lhs_recipe`, `rhs_recipe`, `grad_recipe`, `high_precision_gemms`: fields of
-          [`fp8ax.GemmSettings`][], documented there (keyword only).
+          [`fp8ax.GemmSettings`][], with its defaults, documented there (keyword only).
+          (`fp8_all_gather_axes` comes from each layer's axes, with `fp8_all_gather`.)
         """
         self.targets = _check_targets(targets)
-        gemm_kwargs = dict(
-            compute_dtype=compute_dtype,
-            fwd_precision=fwd_precision,
-            dlhs_precision=dlhs_precision,
-            drhs_precision=drhs_precision,
-            lhs_recipe=lhs_recipe,
-            rhs_recipe=rhs_recipe,
-            grad_recipe=grad_recipe,
-            high_precision_gemms=tuple(high_precision_gemms)
-            if not isinstance(high_precision_gemms, str)
-            else high_precision_gemms,
-        )
-        if settings is None:
-            settings = GemmSettings(recipe, mode, **gemm_kwargs)
-        else:
-            if not isinstance(settings, GemmSettings):
-                raise TypeError(f"`settings` must be an `fp8ax.GemmSettings`, got {type(settings).__name__}.")
-            defaults = GemmSettings()
-            given = [name for name, value in gemm_kwargs.items() if value != getattr(defaults, name)]
-            given += [name for name, value in (("recipe", recipe), ("mode", mode)) if value not in (None, "direct")]
-            if given:
-                raise ValueError(f"Pass either `settings` or GEMM arguments, not both; also got {sorted(given)}.")
+        allowed = tuple(k for k in GEMM_KEYWORDS if k != "fp8_all_gather_axes")
+        settings = settings_from("Fp8Config", recipe, mode, settings, gemm, allowed=allowed)
         self.settings = settings
         self.min_features = min_features
         if not isinstance(fp8_all_gather, bool):

@@ -1,6 +1,6 @@
 import dataclasses
 import functools
-from collections.abc import Sequence
+from typing import Unpack
 
 import equinox as eqx
 import jax
@@ -15,7 +15,7 @@ from ._layout import DimensionNumbers, check_dimension_numbers
 from ._maxgrad import is_max
 from ._pipeline import Call, quantized_dot, vma
 from ._recipes import AbstractScalingRecipe, DelayedScaling
-from ._settings import GemmSettings, Mode
+from ._settings import GemmKeywords, GemmSettings, Mode, settings_from
 from ._state import OverwriteWithGradient, ScalingState
 
 # The names of GemmSettings' fields, read through the module and the config.
@@ -93,49 +93,25 @@ class Fp8DotGeneral(OverwriteWithGradient):
         settings: GemmSettings | None = None,
         batch_shape: tuple[int, ...] = (),
         mode: Mode = "direct",
-        compute_dtype=None,
-        fwd_precision: lax.Precision | None = None,
-        dlhs_precision: lax.Precision | None = lax.Precision.DEFAULT,
-        drhs_precision: lax.Precision | None = lax.Precision.DEFAULT,
-        fp8_all_gather_axes: Sequence[str] | None = None,
-        lhs_recipe=None,
-        rhs_recipe=None,
-        grad_recipe=None,
-        high_precision_gemms: Sequence[str] = (),
+        **gemm: Unpack[GemmKeywords],
     ) -> "Fp8DotGeneral":
         """Builds an `Fp8DotGeneral` with fresh state (scale 1, empty history).
 
         **Arguments:**
 
         - `recipe`: the scaling recipe; default [`fp8ax.DelayedScaling`][]`()`.
-        - `settings`: an [`fp8ax.GemmSettings`][] to use as it is, instead of `recipe`
-          and the settings arguments below. (Keyword only argument.)
+        - `settings`: an [`fp8ax.GemmSettings`][] to use as it is, instead of `recipe`,
+          `mode` and the GEMM keyword arguments. (Keyword only argument.)
         - `batch_shape`: leading shape of the state arrays, one state per stacked layer
           (what [`fp8ax.fp8_linear_layers`][] uses inside `haliax.nn.Stacked`). (Keyword
           only argument.)
-        - `mode`, `compute_dtype`, `fwd_precision`, `dlhs_precision`, `drhs_precision`,
-          `fp8_all_gather_axes`, `lhs_recipe`, `rhs_recipe`, `grad_recipe`,
-          `high_precision_gemms`: the fields of [`fp8ax.GemmSettings`][], documented
-          there. (Keyword only arguments.)
+        - `mode`, and the GEMM keyword arguments `compute_dtype`, `fwd_precision`,
+          `dlhs_precision`, `drhs_precision`, `fp8_all_gather_axes`, `lhs_recipe`,
+          `rhs_recipe`, `grad_recipe`, `high_precision_gemms`: the fields of
+          [`fp8ax.GemmSettings`][], with its defaults, documented there. (Keyword only
+          arguments.)
         """
-        if settings is None:
-            settings = GemmSettings(
-                recipe,
-                mode,
-                compute_dtype=compute_dtype,
-                fwd_precision=fwd_precision,
-                dlhs_precision=dlhs_precision,
-                drhs_precision=drhs_precision,
-                lhs_recipe=lhs_recipe,
-                rhs_recipe=rhs_recipe,
-                grad_recipe=grad_recipe,
-                high_precision_gemms=high_precision_gemms,
-                fp8_all_gather_axes=fp8_all_gather_axes,
-            )
-        elif not isinstance(settings, GemmSettings):
-            raise TypeError(f"`settings` must be an `fp8ax.GemmSettings`, got {type(settings).__name__}.")
-        elif recipe is not None:
-            raise ValueError("Pass the recipe inside `settings` or as `recipe`, not both.")
+        settings = settings_from("Fp8DotGeneral.init", recipe, mode, settings, gemm)
         batch_shape = tuple(int(b) for b in batch_shape)
         states = [settings.recipe.init_state(batch_shape) for _ in range(3)]
         return cls(*states, settings)

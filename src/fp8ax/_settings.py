@@ -2,7 +2,7 @@
 # single static field of `Fp8DotGeneral`, passed whole into the GEMM pipeline.
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -189,3 +189,40 @@ class GemmSettings(eqx.Module):
     def stateful(self) -> bool:
         """Whether the modules these settings build keep FP8 state."""
         return self.recipe.stateful
+
+
+class GemmKeywords(TypedDict, total=False):
+    """The keyword arguments of [`fp8ax.GemmSettings`][] besides `recipe` and `mode`,
+    declared once: [`fp8ax.Fp8DotGeneral.init`][] and [`fp8ax.Fp8Config`][] take them as
+    they are and pass them on (their defaults and checks are `GemmSettings`')."""
+
+    compute_dtype: Any
+    fwd_precision: lax.Precision | None
+    dlhs_precision: lax.Precision | None
+    drhs_precision: lax.Precision | None
+    lhs_recipe: Any
+    rhs_recipe: Any
+    grad_recipe: Any
+    high_precision_gemms: Sequence[str]
+    fp8_all_gather_axes: Sequence[str] | None
+
+
+GEMM_KEYWORDS = tuple(GemmKeywords.__annotations__)
+
+
+def settings_from(owner: str, recipe, mode, settings, gemm: dict, *, allowed=GEMM_KEYWORDS) -> GemmSettings:
+    """The `GemmSettings` a call of `owner` asks for: `settings` as given, or built from
+    `recipe`, `mode` and the keyword arguments `gemm` (names from `allowed`), not both."""
+    unknown = sorted(set(gemm) - set(allowed))
+    if unknown:
+        raise TypeError(f"`{owner}` got unexpected keyword arguments {unknown}.")
+    if settings is None:
+        return GemmSettings(recipe, mode, **gemm)
+    if not isinstance(settings, GemmSettings):
+        raise TypeError(f"`settings` must be an `fp8ax.GemmSettings`, got {type(settings).__name__}.")
+    given = sorted(gemm) + [
+        name for name, value in (("recipe", recipe), ("mode", mode)) if value not in (None, "direct")
+    ]
+    if given:
+        raise ValueError(f"Pass either `settings` or GEMM arguments, not both; also got {given}.")
+    return settings
