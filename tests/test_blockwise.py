@@ -195,3 +195,15 @@ def test_bad_arguments():
         fp8ax.BlockwiseScaling(power_of_two=1)
     with pytest.raises(ValueError, match="`role` must be 'lhs', 'rhs' or 'grad'"):
         fp8ax.quantize(jnp.ones((4, 4)), fp8ax.BlockwiseScaling(), 1, role="weight")
+
+
+def test_quantized_array_checks_its_layout():
+    values = jnp.ones((4, 8))
+    with pytest.raises(TypeError, match="`tile` must be None or a tuple of ints"):
+        fp8ax.QuantizedArray(values, jnp.ones((4, 1)), "ab")
+    with pytest.raises(ValueError, match=r"`tile` must give one extent >= 1 per axis of `values` \(4, 8\)"):
+        fp8ax.QuantizedArray(values, jnp.ones((4, 1)), (0, 4))
+    with pytest.raises(ValueError, match=r"`scale` must have shape \(4, 2\) .* in tiles of \(1, 4\), got \(4, 3\)"):
+        fp8ax.QuantizedArray(values, jnp.ones((4, 3)), (1, 4))
+    with pytest.raises(ValueError, match="`scale` must be a scalar or have the rank of `values`"):
+        fp8ax.QuantizedArray(values, jnp.ones((4, 3, 2)))

@@ -5,6 +5,7 @@
 
 import dataclasses
 import math
+import operator
 from typing import Literal
 
 import equinox as eqx
@@ -24,7 +25,7 @@ def _check_tile(tile, values_shape) -> tuple[int, ...] | None:
     if tile is None:
         return None
     try:
-        tile = tuple(int(t) for t in tile)
+        tile = tuple(operator.index(t) for t in tile)
     except TypeError:
         raise TypeError(f"`tile` must be None or a tuple of ints, got {tile!r}.") from None
     if len(tile) != len(values_shape) or any(t < 1 for t in tile):
