@@ -19,6 +19,7 @@ import ml_dtypes
 import numpy as np
 
 import fp8ax
+from running_max import RunningMaxScaling
 from test_blockwise import reference_quantize as _blockwise_tiles
 from test_mx import _reference as _mx_reference
 
@@ -157,6 +158,9 @@ REGISTRY: dict[str, Entry] = {
     "mx-fp4": Entry(fp8ax.MXScaling(8, "e2m1", "e2m1"), mx_reference(8, "e2m1", "e2m1"), 0.35, 13, 13),
     "blockwise": Entry(fp8ax.BlockwiseScaling(8), blockwise_reference(8), 0.1, 25, 25),
     "blockwise-pow2": Entry(fp8ax.BlockwiseScaling(8, power_of_two=True), blockwise_reference(8, True), 0.1, 24, 24),
+    # A stateful recipe defined outside fp8ax (tests/running_max.py); a fresh layer's
+    # first call calibrates on its own amax, as delayed scaling's does.
+    "running-max": Entry(RunningMaxScaling(), delayed_first_call_reference(), 0.1, 25, 22),
 }
 
 STATELESS = {name: e for name, e in REGISTRY.items() if not e.recipe.stateful}

@@ -56,6 +56,7 @@ from ._serving import (
     to_serving as to_serving,
 )
 from ._settings import GemmSettings as GemmSettings
+from ._state import AbstractState as AbstractState
 from ._state import OverwriteWithGradient as OverwriteWithGradient
 from ._state import ScalingState as ScalingState
 from ._stats import plot_amax_history as plot_amax_history

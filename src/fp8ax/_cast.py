@@ -6,7 +6,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from ._serving import ServingDotGeneral
-from ._state import ScalingState
+from ._state import AbstractState
 
 T = TypeVar("T")
 
@@ -38,10 +38,10 @@ def cast_floating(model: T, dtype) -> T:
         raise TypeError(f"`dtype` must be a floating dtype, got {dtype}.")
 
     def cast(x):
-        if isinstance(x, ScalingState | ServingDotGeneral):
+        if isinstance(x, AbstractState | ServingDotGeneral):
             return x
         if eqx.is_inexact_array(x) and jnp.issubdtype(x.dtype, jnp.floating):
             return x.astype(dtype)
         return x
 
-    return jtu.tree_map(cast, model, is_leaf=lambda x: isinstance(x, ScalingState | ServingDotGeneral))
+    return jtu.tree_map(cast, model, is_leaf=lambda x: isinstance(x, AbstractState | ServingDotGeneral))

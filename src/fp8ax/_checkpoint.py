@@ -20,6 +20,7 @@ import numpy as np
 
 from ._dot_general import Fp8DotGeneral
 from ._serving import ServingHaliaxLinear, ServingLinear
+from ._state import ScalingState
 from ._transform import Fp8Linear, path_str
 
 T = TypeVar("T")
@@ -82,17 +83,26 @@ def _kind_of_layer(layer) -> str:
     return "plain"
 
 
+def _state_ndims(layer) -> tuple:
+    """`(entry_ndims,)` of the template layer's state type, or `()` if it has none."""
+    if _kind_of_layer(layer) == "fp8":
+        return (type(layer.dot_general.lhs).entry_ndims,)
+    return ()
+
+
 _DESCRIBE = {
     "plain": "a plain layer (high-precision weight, no FP8 state)",
-    "fp8": "an FP8 training layer (high-precision weight and its delayed-scaling state)",
+    "fp8": "an FP8 training layer (high-precision weight and its recipe's scaling state)",
     "fp8-stateless": "an FP8 training layer with a stateless recipe (its arrays are a plain layer's)",
     "serving": "a serving layer (`fp8ax.to_serving`: low-precision weight and scales)",
 }
 
 
-def _kind_of_records(records, start: int, weight_shape, n_own: int) -> str | None:
+def _kind_of_records(records, start: int, weight_shape, n_own: int, layouts=()) -> str | None:
     """The kind of the layer whose records begin at `start` in the checkpoint, judged
-    from the records (`n_own`: the weight and bias leaves every kind has)."""
+    from the records (`n_own`: the weight and bias leaves every kind has). A state is
+    recognised by the per-layer dimensions of its arrays (`entry_ndims` of a recipe's
+    state type): those in `layouts` (the template's), or delayed scaling's."""
     if start >= len(records):
         return None
     shape, descr = records[start]
@@ -100,13 +110,28 @@ def _kind_of_records(records, start: int, weight_shape, n_own: int) -> str | Non
         return None
     if descr in ("|u1", "|i1"):
         return "serving"
-    after = records[start + n_own : start + n_own + 6]
-    if len(after) == 6 and all(d == "<f4" for _, d in after):
-        # Six float32 arrays: scale (batch), history (batch + (H,)) for lhs, rhs, grad.
-        batch = tuple(weight_shape[: len(after[0][0])])
-        if all(after[i][0] == batch for i in (0, 2, 4)) and all(after[i][0][:-1] == batch for i in (1, 3, 5)):
+    for entry_ndims in (*layouts, ScalingState.entry_ndims):
+        if _holds_states(records[start + n_own :], weight_shape, entry_ndims):
             return "fp8"
     return "plain"
+
+
+def _holds_states(records, weight_shape, entry_ndims) -> bool:
+    """Whether `records` begin with the float32 arrays of three states (lhs, rhs, grad)
+    of a recipe whose state arrays have `entry_ndims` per-layer dimensions, each with the
+    stacked dimensions of the weight in front (for delayed scaling: a scale (batch) and a
+    history (batch + (H,)), three times)."""
+    k = len(entry_ndims)
+    after = records[: 3 * k]
+    if len(after) < 3 * k or not all(d == "<f4" for _, d in after):
+        return False
+    n_batch = len(after[0][0]) - entry_ndims[0]
+    if n_batch < 0:
+        return False
+    batch = tuple(weight_shape[:n_batch])
+    return all(
+        len(shape) == n_batch + entry_ndims[i % k] and shape[:n_batch] == batch for i, (shape, _) in enumerate(after)
+    )
 
 
 def _advice(like_kind: str, ckpt_kind: str | None) -> str:
@@ -174,7 +199,7 @@ def check_checkpoint(path_or_file, like) -> None:
         for lp, lx, first, _ in candidates:
             like_kind = _kind_of_layer(lx)
             n_own = 1 + (getattr(lx, "bias", None) is not None)
-            ckpt_kind = _kind_of_records(records, first, _weight_shape(lx), n_own)
+            ckpt_kind = _kind_of_records(records, first, _weight_shape(lx), n_own, _state_ndims(lx))
             if ckpt_kind is not None and ckpt_kind != like_kind.replace("-stateless", ""):
                 break
         else:

@@ -14,9 +14,9 @@ from ._boundaries import check_eager_shard_map
 from ._layout import DimensionNumbers, check_dimension_numbers
 from ._maxgrad import is_max
 from ._pipeline import Call, quantized_dot, vma
-from ._recipes import AbstractScalingRecipe, DelayedScaling
+from ._recipes import AbstractScalingRecipe
 from ._settings import GemmKeywords, GemmSettings, Mode, settings_from
-from ._state import OverwriteWithGradient, ScalingState
+from ._state import AbstractState, OverwriteWithGradient
 
 # The names of GemmSettings' fields, read through the module and the config.
 _SETTINGS_FIELDS = tuple(f.name for f in dataclasses.fields(GemmSettings))
@@ -41,9 +41,9 @@ class Fp8DotGeneral(OverwriteWithGradient):
     `NamedArray.dot(..., dot_general=...)`.
     """
 
-    lhs: ScalingState | None
-    rhs: ScalingState | None
-    grad: ScalingState | None
+    lhs: AbstractState | None
+    rhs: AbstractState | None
+    grad: AbstractState | None
     settings: GemmSettings = eqx.field(static=True)
 
     def __init__(self, lhs, rhs, grad, settings: GemmSettings | None = None, **changes):
@@ -65,8 +65,11 @@ class Fp8DotGeneral(OverwriteWithGradient):
 
     def __check_init__(self):
         for name in ("lhs", "rhs", "grad"):
-            if not isinstance(getattr(self, name), ScalingState | None):
-                raise TypeError(f"`{name}` must be an `fp8ax.ScalingState`, got {type(getattr(self, name)).__name__}.")
+            if not isinstance(getattr(self, name), AbstractState | None):
+                raise TypeError(
+                    f"`{name}` must be a recipe's state (an `fp8ax.AbstractState`, such as `fp8ax.ScalingState`) or "
+                    f"None, got {type(getattr(self, name)).__name__}."
+                )
 
     # Read-only views of the settings, under the names users know.
     recipe = property(lambda self: self.settings.recipe, doc="The scaling recipe (`settings.recipe`).")
@@ -173,8 +176,8 @@ class Fp8DotGeneral(OverwriteWithGradient):
             return ()
         raw = []
         for name in ("lhs", "rhs", "grad"):
-            state: ScalingState = getattr(self, name)
-            for leaf_name, leaf in zip(("scale", "amax_history"), state._raw()):
+            state: AbstractState = getattr(self, name)
+            for leaf_name, leaf in zip(state.fields, state._raw()):
                 if not (is_max(leaf) or getattr(leaf, "dtype", None) == np.float32):
                     raise TypeError(
                         f"FP8 state `{name}.{leaf_name}` has dtype {getattr(leaf, 'dtype', type(leaf).__name__)}, but "
@@ -195,37 +198,39 @@ class Fp8DotGeneral(OverwriteWithGradient):
             self.rhs._overwritten_by(new.rhs),
             self.grad._overwritten_by(new.grad),
         )
-        histories = [s.amax_history for s in states]
-        if any(isinstance(h, jax.core.Tracer) for h in histories):
+        leaves = [leaf for s in states for leaf in jax.tree.leaves(s)]
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
             base = self._settled()  # in a trace: what the trace saw (see `_settled`)
         else:  # concrete (`calibrate`, an eager update): what the data says
-            filled = all(bool(np.all(np.max(np.asarray(h), axis=-1) > 0)) for h in histories)
+            recipe = self.settings.recipe
+            filled = all(bool(np.all(recipe.state_observed(tuple(jax.tree.leaves(s))))) for s in states)
             base = self._settled() if filled else self
         return eqx.tree_at(
-            lambda m: (m.lhs, m.rhs, m.grad), base, states, is_leaf=lambda x: isinstance(x, ScalingState)
+            lambda m: (m.lhs, m.rhs, m.grad), base, states, is_leaf=lambda x: isinstance(x, AbstractState)
         )
 
     def _settled(self) -> "Fp8DotGeneral":
-        """This layer without first-call calibration: `DelayedScaling(calibrate_first_call=
-        False)`, once a step has written its state (in `apply_updates` and `calibrate`).
+        """This layer with the recipe its recipe becomes once the state is written
+        (`AbstractScalingRecipe.after_state_written`), in `apply_updates` and `calibrate`.
 
-        The calibrating program, which a fresh layer's first step needs, picks per tensor
-        between the scale from its own amax and the scale from its history. XLA:GPU turns
-        that small conditional into a `select` of both, so every FP8 cast would wait on a
-        reduction of its own input on every step. The layer's static settings say which
-        program to build instead: the first step is traced with calibration, the state it
-        writes fills the histories, and the step after it compiles once more, to the
-        program of delayed scaling alone. Inside a trace the switch can only follow
-        what the trace saw: every layer the gradient reaches is switched, and one that
-        did not run in its first step (unused by the loss, or in the branch of a
-        `lax.cond` not taken), or saw only zeros or NaNs, starts from scale 1 when it
-        first runs (Haliax's and Flax's first step), and follows its history after that.
-        Written eagerly (`calibrate` does), the state is concrete and a layer is switched
-        only once all three of its histories hold an amax."""
+        For `DelayedScaling(calibrate_first_call=True)` that is the recipe without
+        first-call calibration: the calibrating program, which a fresh layer's first step
+        needs, picks per tensor between the scale from its own amax and the scale from its
+        history, and XLA:GPU turns that small conditional into a `select` of both, so every
+        FP8 cast would wait on a reduction of its own input on every step. The layer's
+        static settings say which program to build instead: the first step is traced with
+        calibration, the state it writes fills the histories, and the step after it
+        compiles once more, to the program of delayed scaling alone. Inside a trace the
+        switch can only follow what the trace saw: every layer the gradient reaches is
+        switched, and one that did not run in its first step (unused by the loss, or in
+        the branch of a `lax.cond` not taken), or saw only zeros or NaNs, starts from scale
+        1 when it first runs (Haliax's and Flax's first step), and follows its history
+        after that. Written eagerly (`calibrate` does), the state is concrete and a layer
+        is switched only once all three of its states have observed (`state_observed`)."""
         recipe = self.settings.recipe
-        if not (isinstance(recipe, DelayedScaling) and recipe.calibrate_first_call):
+        settled = recipe.after_state_written()
+        if settled is recipe:
             return self
-        settled = dataclasses.replace(recipe, calibrate_first_call=False)
         return dataclasses.replace(self, settings=dataclasses.replace(self.settings, recipe=settled))
 
     # Haliax state dicts (`haliax.state_dict.to_state_dict`, Hugging Face export) hold

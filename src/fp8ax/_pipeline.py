@@ -345,15 +345,17 @@ def _ndim(res) -> int:
 def _states(raw) -> dict:
     if not raw:
         return dict.fromkeys(ROLES)
-    f32 = [as_f32(v) for v in raw]
-    return {role: (f32[2 * i], f32[2 * i + 1]) for i, role in enumerate(ROLES)}
+    # The same recipe's state for each role: as many arrays each, in its `fields` order.
+    f32, n = [as_f32(v) for v in raw], len(raw) // len(ROLES)
+    return {role: tuple(f32[n * i : n * (i + 1)]) for i, role in enumerate(ROLES)}
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def quantized_dot(call: Call, lhs, rhs, *state) -> Array:
-    """`dot_general(lhs, rhs, call.dims)` computed on quantised operands; `state` is the
-    six raw state values `(lhs scale, lhs history, rhs ..., grad ...)` of a stateful recipe,
-    empty otherwise. The VJP returns the new state as the state's cotangent."""
+    """`dot_general(lhs, rhs, call.dims)` computed on quantised operands; `state` holds the
+    raw arrays of the lhs, rhs and grad states of a stateful recipe, one after the other
+    (each in its `fields` order: `(lhs scale, lhs history, rhs ..., grad ...)` for delayed
+    scaling), and is empty otherwise. The VJP returns the new state as the state's cotangent."""
     return _fwd(call, lhs, rhs, *state)[0]
 
 

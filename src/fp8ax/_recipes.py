@@ -8,6 +8,7 @@
 # `quantize_operands`), so that a recipe can decide once per call what it would
 # otherwise decide per operand: delayed scaling's "does this call calibrate".
 
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Sequence
@@ -23,7 +24,7 @@ from . import _formats
 from ._boundaries import vma
 from ._hostcheck import HostCheckError, host_check
 from ._quantized import QuantizedArray, ScaleLayout
-from ._state import ScalingState
+from ._state import AbstractState, ScalingState
 
 # What `quantize_operand` returns besides the quantised array: the new state of the
 # operand (a `(scale, amax_history)` pair), or None for a stateless recipe.
@@ -45,13 +46,13 @@ def _no_merge(value):
 class Operand(NamedTuple):
     """One operand of a call, as [`fp8ax.AbstractScalingRecipe.quantize_operands`][]
     takes it: the arguments of `quantize_operand`, plus the operand's `plan` and its
-    `role` in the GEMM (`"lhs"`, `"rhs"` or `"grad"`; None when not known), which a
-    recipe may use for diagnostics, never for the numbers."""
+    `role` in the GEMM (`"lhs"`, `"rhs"` or `"grad"`; None when not known), by which a
+    recipe picks per-role behaviour (its format, a weight's 2D blocks)."""
 
     x: Array
     contracting_axes: tuple[int, ...]
     dtype: np.dtype
-    state: tuple[Array, Array] | None = None
+    state: tuple[Array, ...] | None = None
     key: Any = None
     merge: Callable[[Array], Array] = _no_merge
     plan: Any = None
@@ -124,10 +125,66 @@ class AbstractScalingRecipe(eqx.Module):
         del role
         return False
 
-    def init_state(self, batch_shape: tuple[int, ...] = ()) -> ScalingState | None:
-        """Fresh state for one operand (`batch_shape` for stacked layers); None for a
-        stateless recipe."""
+    def init_state(self, batch_shape: tuple[int, ...] = ()) -> AbstractState | None:
+        """Fresh state for one operand (`batch_shape` for stacked layers): an instance of
+        the recipe's own [`fp8ax.AbstractState`][] subclass; None for a stateless recipe.
+
+        A stateful recipe owns its state type: the GEMM pipeline passes the state's arrays
+        (in its `fields` order) to `plan` and `quantize_operand(s)` as a tuple, and the
+        rest of fp8ax asks the recipe about them with the methods below, which receive
+        the same tuple of concrete (NumPy) or traced float32 arrays, with the stacked-layer
+        dimensions in front."""
         del batch_shape
+        return None
+
+    def state_observed(self, state: tuple[Array, ...]) -> np.ndarray:
+        """Per stacked layer (a bool array of the state's batch shape): whether the state
+        holds an observation, so that its scale comes from data. `fp8ax.to_serving`
+        refuses a state that has observed nothing, and `apply_updates` switches a layer to
+        its settled program (`after_state_written`) once all its states have observed.
+        Concrete arrays only. Stateful recipes must define it."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no state to observe.")
+
+    def state_valid(self, state: tuple[Array, ...]) -> np.ndarray:
+        """Per stacked layer: whether the state is one fp8ax's updates can have written (a
+        state that went through an optimiser is not). Concrete arrays only. The default
+        accepts finite, non-negative arrays."""
+        ok = None
+        for value, extra in zip(state, self._entry_ndims()):
+            value = np.asarray(value)
+            here = np.all(np.isfinite(value) & (value >= 0), axis=tuple(range(value.ndim - extra, value.ndim)))
+            ok = here if ok is None else ok & here
+        return ok
+
+    def _entry_ndims(self) -> tuple[int, ...]:
+        return type(self.init_state()).entry_ndims
+
+    def after_state_written(self) -> "AbstractScalingRecipe":
+        """The recipe a layer uses once its states have all observed (`state_observed`):
+        the place to leave a first-call mode behind. The default is the recipe itself."""
+        return self
+
+    def serving_scale(self, state: tuple[Array, ...], dtype: np.dtype) -> Array:
+        """The dequantisation scale, frozen from one layer's state (no stacked dimensions),
+        that serving quantises the input operand with, to `dtype`. `fp8ax.to_serving`
+        calls it under `jax.jit` (and `vmap` for stacked layers). A stateful recipe that
+        can be served defines it; the default refuses."""
+        del state, dtype
+        raise NotImplementedError(
+            f"{type(self).__name__} does not say how to freeze its state for serving (`serving_scale`)."
+        )
+
+    def state_stats(self, state: tuple[Array, ...]) -> dict[str, np.ndarray]:
+        """Named numbers from one operand's state, for [`fp8ax.scaling_stats`][]: each a
+        NumPy array of the state's batch shape. Concrete arrays only. The default reports
+        nothing."""
+        del state
+        return {}
+
+    def state_history(self, state: tuple[Array, ...]) -> np.ndarray | None:
+        """The amaxes the state remembers, newest first (shape `(*batch, n)`), for
+        [`fp8ax.plot_amax_history`][]; None (the default) if it remembers none."""
+        del state
         return None
 
     def quantize_operand(
@@ -136,7 +193,7 @@ class AbstractScalingRecipe(eqx.Module):
         contracting_axes: tuple[int, ...],
         dtype: np.dtype,
         *,
-        state: tuple[Array, Array] | None = None,
+        state: tuple[Array, ...] | None = None,
         key: Any = None,
         merge: Callable[[Array], Array] = _no_merge,
     ) -> tuple[QuantizedArray, NewState]:
@@ -148,8 +205,9 @@ class AbstractScalingRecipe(eqx.Module):
         - `x`: the operand.
         - `contracting_axes`: the axes of `x` the GEMM contracts.
         - `dtype`: the low-precision format.
-        - `state`: the operand's `(scale, amax_history)` (float32) for a stateful
-          recipe, None otherwise. (Keyword only argument.)
+        - `state`: for a stateful recipe, the arrays of the operand's state (float32, in
+          the `fields` order of the recipe's state type: `(scale, amax_history)` for
+          delayed scaling); None otherwise. (Keyword only argument.)
         - `key`: a PRNG key for stochastic rounding, or None. (Keyword only argument.)
         - `merge`: reduces a per-call observation (an amax, or a pytree of values
           observed together) to one value for the whole observation: a max over `vmap`
@@ -158,14 +216,14 @@ class AbstractScalingRecipe(eqx.Module):
 
         **Returns:**
 
-        `(quantized, new_state)`: a [`fp8ax.QuantizedArray`][], and the operand's
-        `(scale, amax_history)` after this call (None for a stateless recipe). The new
+        `(quantized, new_state)`: a [`fp8ax.QuantizedArray`][], and the arrays of the
+        operand's state after this call, in the same order (None for a stateless recipe). The new
         state must be monotone non-decreasing in what the call observed: several uses of
         a layer are merged with an elementwise max.
         """
         raise NotImplementedError
 
-    def plan(self, states: Sequence[tuple[Array, Array] | None], dtypes: Sequence[np.dtype] | None = None) -> list[Any]:
+    def plan(self, states: Sequence[tuple[Array, ...] | None], dtypes: Sequence[np.dtype] | None = None) -> list[Any]:
         """What the operands of one call share, decided once from their states.
 
         The GEMM pipeline calls this once per call, in the forward pass, with the state
@@ -516,6 +574,37 @@ class DelayedScaling(AbstractScalingRecipe):
 
     def init_state(self, batch_shape: tuple[int, ...] = ()) -> ScalingState:
         return ScalingState.init(self.history_length, batch_shape)
+
+    def state_observed(self, state):
+        _, history = state
+        return np.max(np.asarray(history), axis=-1) > 0
+
+    def state_valid(self, state):
+        scale, history = (np.asarray(v) for v in state)
+        good_history = np.all(np.isfinite(history) & (history >= 0), axis=-1)
+        return good_history & np.isfinite(scale) & (scale > 0)
+
+    def after_state_written(self):
+        # The calibrating program, which a fresh layer's first step needs, picks per
+        # tensor between the scale from its own amax and the scale from its history.
+        # XLA:GPU turns that small conditional into a `select` of both, so every FP8 cast
+        # would wait on a reduction of its own input on every step: once the state is
+        # written, the layer's program is delayed scaling alone.
+        return dataclasses.replace(self, calibrate_first_call=False) if self.calibrate_first_call else self
+
+    def serving_scale(self, state, dtype):
+        # The scale the next call would use, from the history alone.
+        scale, history = state
+        return self.after_state_written().scale_for_call(
+            scale, history, jnp.zeros((), jnp.float32), _formats.fp8_max(dtype)
+        )
+
+    def state_stats(self, state):
+        scale, history = (np.asarray(v) for v in state)
+        return {"scale": scale, "amax": history[..., 0], "amax_history_max": history.max(axis=-1)}
+
+    def state_history(self, state):
+        return np.asarray(state[1])
 
     def _checked(self, amax, scale, fp8_max, *, finite_amax: bool = False):
         # One multiply by a float32 constant, `2**margin / fp8_max` rounded once. Flax's

@@ -32,7 +32,7 @@ from ._dot_general import Fp8DotGeneral, _check_operand, make_call
 from ._haliax_compat import require_haliax_matmul
 from ._pipeline import Call, _gemm, _quantise, vma
 from ._quantized import QuantizedArray
-from ._recipes import _CORRUPT_STATE, DelayedScaling, Operand
+from ._recipes import _CORRUPT_STATE, AbstractScalingRecipe, Operand
 from ._settings import GemmSettings
 from ._transform import Fp8Linear, linear_call, path_str
 
@@ -343,15 +343,15 @@ def _vmapped(f, n: int):
 
 
 def _check_filled(layer: str, dg: Fp8DotGeneral, stacked: str) -> None:
+    recipe = dg.settings.recipe
     for role, what in (("lhs", "activation"), ("rhs", "weight")):
-        state = getattr(dg, role)
-        history = state.amax_history
-        if isinstance(history, jax.core.Tracer):
+        fields = tuple(jax.tree.leaves(getattr(dg, role)))
+        if any(isinstance(v, jax.core.Tracer) for v in fields):
             raise ValueError("`fp8ax.to_serving` reads the FP8 state, so it must be called outside `jax.jit`.")
-        history, scale = np.asarray(history), np.asarray(state.scale)
-        if not (np.isfinite(history).all() and (history >= 0).all() and np.isfinite(scale).all() and (scale > 0).all()):
+        fields = tuple(np.asarray(v) for v in fields)
+        if not np.all(recipe.state_valid(fields)):
             raise ValueError(f"Layer `{layer}`, {what} state (`{role}`): {_CORRUPT_STATE}")
-        empty = np.max(history, axis=-1) == 0
+        empty = ~np.asarray(recipe.state_observed(fields))
         if np.any(empty):
             where = ""
             if empty.ndim:
@@ -384,10 +384,11 @@ def _convert_gemm(
             "`high_precision_gemms` with 'fwd'), so it has no low-precision weight to serve. Exclude it from the "
             "FP8 conversion (`Fp8Config(targets=...)`) to serve it as a plain layer."
         )
-    if st.recipe.stateful and not isinstance(st.recipe, DelayedScaling):
+    if st.recipe.stateful and type(st.recipe).serving_scale is AbstractScalingRecipe.serving_scale:
         raise ValueError(
-            f"Layer `{layer}` uses the stateful recipe {type(st.recipe).__name__}; `fp8ax.to_serving` serves "
-            "`DelayedScaling` and the stateless recipes."
+            f"Layer `{layer}` uses the stateful recipe {type(st.recipe).__name__}, which does not say how to freeze "
+            "its state for serving (it defines no `serving_scale`); `fp8ax.to_serving` serves the stateful recipes "
+            "that do (`DelayedScaling`) and the stateless ones."
         )
     weight_dtype = np.dtype(w.dtype)
     if st.compute_dtype is not None:
@@ -400,18 +401,17 @@ def _convert_gemm(
     def quantise(w, state):
         return recipe.quantize_operands([Operand(w, tuple(contracting), dtype, state, role="rhs")])[0][0]
 
-    state = (dg.rhs.scale, dg.rhs.amax_history) if delayed else None
+    state = tuple(jax.tree.leaves(dg.rhs)) if delayed else None
     q = eqx.filter_jit(_vmapped(quantise, n_batch))(w, state)
     _storable(np.dtype(q.values.dtype), layer)
     input_scale = None
     if delayed:
-        lhs_dtype = st.operand_recipe("lhs").fwd_dtype
-        fp8_max = _formats.fp8_max(lhs_dtype)
+        lhs_dtype = st.operand_recipe("lhs").dtype_for("lhs")
 
-        def frozen(scale, history):
-            return st.recipe.scale_for_call(scale, history, jnp.zeros((), jnp.float32), fp8_max)
+        def frozen(state):
+            return st.recipe.serving_scale(state, lhs_dtype)
 
-        input_scale = eqx.filter_jit(_vmapped(frozen, n_batch))(dg.lhs.scale, dg.lhs.amax_history)
+        input_scale = eqx.filter_jit(_vmapped(frozen, n_batch))(tuple(jax.tree.leaves(dg.lhs)))
     scale = q.scale
     if np.dtype(scale.dtype) == _E8M0:
         scale = lax.bitcast_convert_type(scale, jnp.uint8)

@@ -1,5 +1,5 @@
 import weakref
-from typing import Any
+from typing import Any, ClassVar
 
 import haliax.quantization as _haxq
 import jax
@@ -12,8 +12,117 @@ from ._formats import select
 from ._maxgrad import as_f32, is_max, to_f32, to_max
 
 
-@jtu.register_pytree_with_keys_class
-class ScalingState:
+class AbstractState:
+    """Base class of a stateful recipe's per-operand state: a fixed set of named float32
+    arrays.
+
+    A stateful recipe (see [`fp8ax.AbstractScalingRecipe`][]) returns one of these from
+    `init_state` for each operand of a GEMM. fp8ax never reads the arrays' meaning: the
+    GEMM pipeline hands the recipe its state as a tuple of arrays in `fields` order, and
+    serving, `scaling_stats`, `plot_amax_history`, `calibrate` and `apply_updates` ask the
+    recipe (or the state's `written`) about it. What a subclass declares:
+
+    - `fields`: the names of its arrays, which become read-only attributes and the pytree
+      keys, in order;
+    - `entry_ndims`: for each field, how many trailing dimensions one layer's array has
+      (the rest are stacked-layer dimensions, `batch_shape`);
+    - `written(self)`: per stacked layer, whether this value is a state a call wrote, as
+      opposed to the zero cotangent a layer a step did not use receives. `apply_updates`
+      keeps the old state wherever it is False.
+
+    Every array is a float32 pytree leaf: `eqx.filter_grad` differentiates it,
+    `eqx.tree_serialise_leaves` saves it, and its "gradient" is its new value (see
+    [`fp8ax.apply_updates`][]). A recipe's new state must be monotone non-decreasing in
+    what a call observed, because several uses of a layer in one step are merged with an
+    elementwise max.
+
+    !!! Note
+
+        Inside a traced function (`jax.grad`, `jax.jit`, ...) a state holds its values in a
+        float32 dtype whose cotangents accumulate with `max` instead of `+`. That is how a
+        layer used several times in one step (tied weights, `lax.scan`, `vmap`) gets the
+        state of one merged observation instead of a sum. The attributes and the leaves are
+        always float32. See the "How the FP8 state works" page of the docs.
+    """
+
+    fields: ClassVar[tuple[str, ...]] = ()
+    entry_ndims: ClassVar[tuple[int, ...]] = ()
+
+    # `_values`: the arrays, in the max-accumulating form while traced; `_leaves`: their
+    # float32 leaves where they are safe to hand out again (concrete values), None where
+    # every flatten must make a fresh view (see `_enter`).
+    __slots__ = ("_values", "_leaves")
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if not isinstance(cls.fields, tuple) or not all(isinstance(f, str) and f.isidentifier() for f in cls.fields):
+            raise TypeError(f"`{cls.__name__}.fields` must be a tuple of identifiers, got {cls.fields!r}.")
+        if not isinstance(cls.entry_ndims, tuple) or len(cls.entry_ndims) != len(cls.fields):
+            raise TypeError(
+                f"`{cls.__name__}.entry_ndims` must give one int per field ({len(cls.fields)}), got {cls.entry_ndims!r}."
+            )
+        for i, name in enumerate(cls.fields):
+            if name not in cls.__dict__:
+                setattr(cls, name, property(lambda self, i=i: self._leaf(i), doc=f"The `{name}` array (float32)."))
+        keys = tuple(jtu.GetAttrKey(name) for name in cls.fields)
+        jtu.register_pytree_with_keys(
+            cls,
+            lambda s: (tuple(zip(keys, (s._leaf(i) for i in range(len(keys))))), None),
+            lambda aux, children: cls(*children),
+            lambda s: (tuple(s._leaf(i) for i in range(len(keys))), None),
+        )
+
+    def __init__(self, *values: Any):
+        if not self.fields:
+            raise TypeError("`fp8ax.AbstractState` is a base class: subclass it with `fields` and `entry_ndims`.")
+        if len(values) != len(self.fields):
+            raise TypeError(
+                f"`{type(self).__name__}` takes {len(self.fields)} arrays {self.fields}, got {len(values)}."
+            )
+        entered = [_enter(v) for v in values]
+        object.__setattr__(self, "_values", tuple(v for v, _ in entered))
+        object.__setattr__(self, "_leaves", tuple(leaf for _, leaf in entered))
+
+    def _leaf(self, i):
+        leaf = self._leaves[i]
+        return _view(self._values[i]) if leaf is None else leaf
+
+    @property
+    def batch_shape(self) -> tuple[int, ...]:
+        """The stacked-layer dimensions (`()` for one layer)."""
+        shape = tuple(np.shape(self._values[0]))
+        return shape[: len(shape) - self.entry_ndims[0]]
+
+    def written(self) -> Any:
+        """Per stacked layer (a bool array of `batch_shape`): whether this value is a state
+        a call wrote, rather than the zero cotangent of a layer a step did not use."""
+        raise NotImplementedError(f"`{type(self).__name__}` must define `written`.")
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is immutable; build a new one instead.")
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{name}={_short(v)}" for name, v in zip(self.fields, self._values))
+        return f"{type(self).__name__}({inner})"
+
+    def _raw(self) -> tuple:
+        """The stored values, possibly in the max-accumulating dtype (for fp8ax's ops)."""
+        return self._values
+
+    def _overwritten_by(self, new: "AbstractState") -> "AbstractState":
+        """This state, replaced by `new` wherever `new` holds a written state (per stacked
+        layer; see `written`)."""
+        if type(new) is not type(self):
+            raise TypeError(f"Cannot overwrite a {type(self).__name__} with a {type(new).__name__}.")
+        used = new.written()
+        out = []
+        for old_v, new_v, extra in zip(self._values, new._values, self.entry_ndims):
+            mask = jnp.reshape(used, (*jnp.shape(used), *(1,) * extra))
+            out.append(select(mask, as_f32(new_v), as_f32(old_v)))
+        return type(self)(*out)
+
+
+class ScalingState(AbstractState):
     """Delayed-scaling state of one operand: a scale and an amax history.
 
     - `scale`: float32, shape `()` (or `(*batch,)` for stacked layers). The
@@ -22,29 +131,19 @@ class ScalingState:
     - `amax_history`: float32, shape `(history_length,)` (or `(*batch, history_length)`),
       the newest amax at index 0. An entry of 0 means "nothing recorded".
 
-    Both are ordinary float32 pytree leaves: `eqx.filter_grad` differentiates them,
+    The state [`fp8ax.DelayedScaling`][] owns (an [`fp8ax.AbstractState`][]). Both arrays
+    are ordinary float32 pytree leaves: `eqx.filter_grad` differentiates them,
     `eqx.tree_serialise_leaves` saves them, and their "gradient" is the new state (see
-    [`fp8ax.apply_updates`][]).
-
-    !!! Note
-
-        Inside a traced function (`jax.grad`, `jax.jit`, ...) this node holds its values
-        in a float32 dtype whose cotangents accumulate with `max` instead of `+`. That is
-        how a layer used several times in one step (tied weights, `lax.scan`, `vmap`)
-        gets the state of one merged observation instead of a sum. The attributes and the
-        leaves are always float32. See the "How the FP8 state works" page of the docs.
+    [`fp8ax.apply_updates`][]). Inside a trace they accumulate cotangents by max (see
+    [`fp8ax.AbstractState`][]).
     """
 
-    # `_scale`/`_amax_history`: the values, in the max-accumulating form while traced;
-    # `_leaves`: their float32 leaves where they are safe to hand out again (concrete
-    # values), None where every flatten must make a fresh view (see `_enter`).
-    __slots__ = ("_scale", "_amax_history", "_leaves")
+    fields = ("scale", "amax_history")
+    entry_ndims = (0, 1)
+    __slots__ = ()
 
     def __init__(self, scale: Any, amax_history: Any):
-        (s, s_leaf), (h, h_leaf) = _enter(scale), _enter(amax_history)
-        object.__setattr__(self, "_scale", s)
-        object.__setattr__(self, "_amax_history", h)
-        object.__setattr__(self, "_leaves", (s_leaf, h_leaf))
+        super().__init__(scale, amax_history)
 
     @classmethod
     def init(cls, history_length: int, batch_shape: tuple[int, ...] = ()) -> "ScalingState":
@@ -56,52 +155,10 @@ class ScalingState:
             jnp.zeros((*batch_shape, history_length), jnp.float32),
         )
 
-    @property
-    def scale(self):
-        return self._leaf(0, self._scale)
-
-    @property
-    def amax_history(self):
-        return self._leaf(1, self._amax_history)
-
-    def _leaf(self, i, value):
-        leaf = self._leaves[i]
-        return _view(value) if leaf is None else leaf
-
-    def __setattr__(self, name, value):
-        raise AttributeError("ScalingState is immutable; build a new one instead.")
-
-    def __repr__(self) -> str:
-        return f"ScalingState(scale={_short(self._scale)}, amax_history={_short(self._amax_history)})"
-
-    def tree_flatten_with_keys(self):
-        return (
-            (jtu.GetAttrKey("scale"), self.scale),
-            (jtu.GetAttrKey("amax_history"), self.amax_history),
-        ), None
-
-    @classmethod
-    def tree_unflatten(cls, aux, children):
-        del aux
-        return cls(*children)
-
-    def _raw(self):
-        """The stored values, possibly in the max-accumulating dtype (for fp8ax's ops)."""
-        return self._scale, self._amax_history
-
-    def _overwritten_by(self, new: "ScalingState") -> "ScalingState":
-        """This state, replaced by `new` wherever `new` holds a real state.
-
-        A layer that a step did not use receives a zero cotangent. A real new scale is
-        always > 0, so `new.scale > 0` tells the two apart, per stacked layer.
-        """
-        old_scale, old_hist = as_f32(self._scale), as_f32(self._amax_history)
-        new_scale, new_hist = as_f32(new._scale), as_f32(new._amax_history)
-        used = new_scale > 0
-        return ScalingState(
-            select(used, new_scale, old_scale),
-            select(used[..., None], new_hist, old_hist),
-        )
+    def written(self):
+        # A call that observed nothing reports scale 0, and so does the zero cotangent of
+        # an unused layer; a real new scale is always > 0.
+        return as_f32(self._values[0]) > 0
 
 
 # The invariant that makes reuse merge by max (docs/how-it-works.md, "Why the merge holds

@@ -1,7 +1,7 @@
 # Scaling statistics of a model's FP8 layers as a flat {name: float} dict (for W&B,
 # TensorBoard, printing), and a plot of the amax histories.
 #
-# The state statistics read the `ScalingState`s. The batch statistics (saturation,
+# The state statistics are what each layer's recipe reads from its state. The batch statistics (saturation,
 # underflow) need the tensors each layer quantises: `scaling_stats` runs the given
 # function on a copy of the model in which every `Fp8DotGeneral` is wrapped by
 # `_Capture`. The wrapper calls the layer unchanged, quantises its operands once more
@@ -60,7 +60,7 @@ def _is_holder(x) -> bool:
 
 
 def _state_shape(dg: Fp8DotGeneral) -> tuple[int, ...]:
-    return tuple(np.shape(dg.lhs.scale)) if dg.lhs is not None else ()
+    return dg.lhs.batch_shape if dg.lhs is not None else ()
 
 
 def _holder_shape(layer) -> tuple[int, ...]:
@@ -108,22 +108,21 @@ def operand_counts(x: Array, q: QuantizedArray) -> dict[str, Array]:
 
 
 def _quantised_as_the_layer_does(recipe, role: str, x, axes, state=()) -> QuantizedArray:
-    """`x` quantised by `recipe` as the layer's `role` operand, with its `(scale,
-    history)` `state` (empty for a stateless recipe)."""
+    """`x` quantised by `recipe` as the layer's `role` operand, with the arrays of its
+    `state` (empty for a stateless recipe)."""
     dtype = recipe.dtype_for(role)
     key = jax.random.key(0) if recipe.stochastic(role) else None
     if not state:
         return recipe.quantize_operands([Operand(x, tuple(axes), dtype, key=key, role=role)])[0][0]
-    scale, history = state
-    # As the GEMM pipeline does: a first call (empty history) under `vmap` calibrates on
-    # the amax of the whole batch, not of each example.
-    op = Operand(x, tuple(axes), dtype, (scale, history), key, lambda v: merged_amax(v, scale), role=role)
+    # As the GEMM pipeline does: a first call (of delayed scaling: an empty history) under
+    # `vmap` calibrates on the amax of the whole batch, not of each example.
+    op = Operand(x, tuple(axes), dtype, tuple(state), key, lambda v: merged_amax(v, state[0]), role=role)
     return recipe.quantize_operands([op])[0][0]
 
 
 def _state_of(dg: Fp8DotGeneral, role: str) -> tuple:
     state = getattr(dg, role)
-    return () if state is None else (state.scale, state.amax_history)
+    return () if state is None else tuple(jax.tree.leaves(state))
 
 
 class _Capture(eqx.Module):
@@ -242,7 +241,9 @@ def scaling_stats(model: Any, fn: Callable | None = None, *args, **kwargs) -> di
     `wandb.log` or TensorBoard's `add_scalar`.
 
     For every [`fp8ax.Fp8DotGeneral`][] with a stateful recipe, and each of its three
-    tensors `lhs` (input), `rhs` (weight) and `grad` (output gradient):
+    tensors `lhs` (input), `rhs` (weight) and `grad` (output gradient), the numbers its
+    recipe reads from the state (`AbstractScalingRecipe.state_stats`); for
+    [`fp8ax.DelayedScaling`][]:
 
     - `"{path}/{tensor}/scale"`: the dequantisation scale its last call used;
     - `"{path}/{tensor}/amax"`: the newest amax in its history (0 before the first step);
@@ -298,19 +299,18 @@ def scaling_stats(model: Any, fn: Callable | None = None, *args, **kwargs) -> di
     layers = _layers(model)
     out: dict[str, float] = {}
     for name, dg, _ in layers:
-        arrays = {}
+        numbers = {}
         for role in ROLES:
             state = getattr(dg, role)
             if state is not None:
-                arrays[role] = (_concrete(state.scale, "scaling_stats"), _concrete(state.amax_history, "scaling_stats"))
-        if not arrays:
+                fields = tuple(_concrete(v, "scaling_stats") for v in jax.tree.leaves(state))
+                numbers[role] = dg.settings.recipe.state_stats(fields)  # the recipe reads its own state
+        if not numbers:
             continue
-        for index in np.ndindex(*arrays["lhs"][0].shape):  # one entry per stacked layer
-            for role, (scale, history) in arrays.items():
-                key = f"{name}{_index_str(index)}/{role}"
-                out[f"{key}/scale"] = float(scale[index])
-                out[f"{key}/amax"] = float(history[index][0])
-                out[f"{key}/amax_history_max"] = float(history[index].max())
+        for index in np.ndindex(*dg.lhs.batch_shape):  # one entry per stacked layer
+            for role, named in numbers.items():
+                for stat, values in named.items():
+                    out[f"{name}{_index_str(index)}/{role}/{stat}"] = float(np.asarray(values)[index])
     if fn is None:
         if args or kwargs:
             raise TypeError("`scaling_stats` got arguments for `fn`, but no `fn`: pass the function first.")
@@ -405,7 +405,10 @@ def plot_amax_history(
             state = getattr(dg, role)
             if state is None:
                 continue
-            history = _concrete(state.amax_history, "plot_amax_history")
+            fields = tuple(_concrete(v, "plot_amax_history") for v in jax.tree.leaves(state))
+            history = dg.settings.recipe.state_history(fields)
+            if history is None:
+                continue
             for index in np.ndindex(*history.shape[:-1]):
                 series[role].append((f"{name}{_index_str(index)}", history[index]))
     if not any(series.values()):
