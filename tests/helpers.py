@@ -96,15 +96,17 @@ def sgd_step(loss, lr=1e-2):
 
 def adam_trained(model, loss, steps, lr=1e-2):
     """`model` after `steps` Adam steps on `loss(model)`, the documented fp8ax step: the
-    optimiser gets the gradients, `fp8ax.apply_updates` writes the FP8 state."""
+    optimiser gets the gradients, `fp8ax.apply_updates` writes the FP8 state. The
+    gradient is jitted (eagerly, an MX or blockwise step dispatches thousands of ops)."""
     import optax
 
     opt = optax.adam(lr)
     _, trainable = fp8ax.partition_for_grad_overwrite(model)
+    grad = eqx.filter_jit(eqx.filter_grad(loss))
     with jax.numpy_dtype_promotion("standard"):
         state = opt.init(eqx.filter(trainable, eqx.is_array))
         for _ in range(steps):
-            overwrite, grads = fp8ax.partition_for_grad_overwrite(eqx.filter_grad(loss)(model))
+            overwrite, grads = fp8ax.partition_for_grad_overwrite(grad(model))
             updates, state = opt.update(grads, state, eqx.filter(model, eqx.is_array))
             model = fp8ax.apply_updates(model, updates, overwrite)
     return model

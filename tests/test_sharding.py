@@ -15,6 +15,10 @@ import pytest
 
 from recipe_registry import REGISTRY
 
+# One worker runs every test of this module (pyproject.toml's `--dist loadgroup`): the
+# module-scoped fixture below runs the subprocess once per worker that takes a test here.
+pytestmark = pytest.mark.xdist_group("multidevice")
+
 HERE = pathlib.Path(__file__).resolve().parent
 CASES = [
     "data_parallel",
