@@ -116,25 +116,60 @@ def test_checkpoints(getkey, tmp_path):
 
 
 def test_a_recipe_without_serving_scale_is_refused_by_name(getkey):
-    class Unservable(fp8ax.AbstractScalingRecipe):
-        inner: RunningMaxScaling = RunningMaxScaling()
-        fwd_dtype = property(lambda self: self.inner.fwd_dtype)
-        grad_dtype = property(lambda self: self.inner.grad_dtype)
-        stateful = property(lambda self: True)
-        scale_layout = property(lambda self: "tensor")
-
-        def init_state(self, batch_shape=()):
-            return self.inner.init_state(batch_shape)
-
-        def quantize_operand(self, *args, **kwargs):
-            return self.inner.quantize_operand(*args, **kwargs)
-
-        def state_observed(self, state):
-            return self.inner.state_observed(state)
-
-    model = fp8ax.fp8_linear_layers(eqx.nn.MLP(16, 8, 32, 1, key=getkey()), fp8ax.Fp8Config(recipe=Unservable()))
+    model = fp8ax.fp8_linear_layers(eqx.nn.MLP(16, 8, 32, 1, key=getkey()), fp8ax.Fp8Config(recipe=_Wrapped("")))
     model = adam_trained(model, _loss(jax.random.normal(getkey(), (8, 16))), 1)
-    with pytest.raises(
-        ValueError, match=r"stateful recipe Unservable, which does not say how to freeze.*serving_scale"
-    ):
+    with pytest.raises(ValueError, match=r"stateful recipe _Wrapped, which does not say how to freeze.*serving_scale"):
         fp8ax.to_serving(model)
+
+
+class _Wrapped(fp8ax.AbstractScalingRecipe):
+    """RunningMaxScaling as a user's half-written recipe: no `serving_scale`, and one
+    mistake (`broken`)."""
+
+    broken: str = eqx.field(static=True)
+    inner: RunningMaxScaling = RunningMaxScaling()
+    fwd_dtype = property(lambda self: self.inner.fwd_dtype)
+    grad_dtype = property(lambda self: self.inner.grad_dtype)
+    stateful = property(lambda self: True)
+    scale_layout = property(lambda self: "tensor")
+
+    def init_state(self, batch_shape=()):
+        return self.inner.init_state(batch_shape)
+
+    def quantize_operand(self, *args, **kwargs):
+        q, new = self.inner.quantize_operand(*args, **kwargs)
+        if self.broken == "bare state":
+            return q, new[0]
+        if self.broken == "state shape":
+            return q, (jnp.stack([new[0], new[0]]),)
+        if self.broken == "values":
+            return q.values, new
+        return q, new
+
+    def state_observed(self, state):
+        if self.broken == "no state_observed":
+            return super().state_observed(state)
+        return self.inner.state_observed(state)
+
+
+@pytest.mark.parametrize(
+    "broken, error, match",
+    [
+        ("bare state", TypeError, r"_Wrapped must return the new state as a tuple of 1 arrays .*got ArrayImpl\."),
+        ("state shape", ValueError, r"_Wrapped returned a new state array of shape \(2,\) for one of shape \(\)"),
+        ("values", TypeError, r"_Wrapped must quantise to an `fp8ax.QuantizedArray`, got ArrayImpl"),
+    ],
+)
+def test_a_half_written_recipe_fails_where_it_is_wrong(broken, error, match, getkey):
+    dg = fp8ax.Fp8DotGeneral.init(_Wrapped(broken))
+    x, w = jax.random.normal(getkey(), (4, 16)), jax.random.normal(getkey(), (16, 8))
+    with pytest.raises(error, match=match):
+        jax.grad(lambda x: jnp.sum(dg(x, w, (((1,), (0,)), ((), ())))))(x)
+
+
+def test_a_stateful_recipe_without_state_observed_says_so(getkey):
+    model = fp8ax.fp8_linear_layers(
+        eqx.nn.MLP(16, 8, 32, 1, key=getkey()), fp8ax.Fp8Config(recipe=_Wrapped("no state_observed"))
+    )
+    with pytest.raises(NotImplementedError, match=r"_Wrapped defines no `state_observed`"):
+        adam_trained(model, _loss(jax.random.normal(getkey(), (8, 16))), 1)

@@ -108,9 +108,36 @@ def _quantise_together(call: Call, items) -> list:
     out = [(None, None)] * len(items)
     for recipe, idx in _by_recipe(call, [item[0] for item in items]):
         ops = [_operand_for(call, *items[i]) for i in idx]
-        for i, result in zip(idx, recipe.quantize_operands(ops)):
-            out[i] = result
+        for i, op, result in zip(idx, ops, recipe.quantize_operands(ops)):
+            out[i] = _checked_result(recipe, op, result)
     return out
+
+
+def _checked_result(recipe, op, result):
+    """A recipe's `(quantized, new_state)` for `op`, checked where a mistake would
+    otherwise surface far away (in the VJP's cotangents, or as a wrong state)."""
+    name = type(recipe).__name__
+    if not (isinstance(result, tuple | list) and len(result) == 2):
+        raise TypeError(
+            f"{name}.quantize_operands must give a `(quantized, new_state)` pair per operand, got {result!r}."
+        )
+    q, new = result
+    if not isinstance(q, QuantizedArray):
+        raise TypeError(f"{name} must quantise to an `fp8ax.QuantizedArray`, got {type(q).__name__}.")
+    if op.state is None:
+        return result
+    if not (isinstance(new, tuple | list) and len(new) == len(op.state)):
+        raise TypeError(
+            f"{name} must return the new state as a tuple of {len(op.state)} arrays (one per field of its state "
+            f"type, in order, as it received them), got {type(new).__name__}"
+            + (f" of length {len(new)}." if isinstance(new, tuple | list) else ".")
+        )
+    for old, value in zip(op.state, new):
+        if jnp.shape(value) != jnp.shape(old):
+            raise ValueError(
+                f"{name} returned a new state array of shape {jnp.shape(value)} for one of shape {jnp.shape(old)}."
+            )
+    return q, tuple(new)
 
 
 def _by_recipe(call: Call, roles) -> list:

@@ -143,7 +143,10 @@ class AbstractScalingRecipe(eqx.Module):
         refuses a state that has observed nothing, and `apply_updates` switches a layer to
         its settled program (`after_state_written`) once all its states have observed.
         Concrete arrays only. Stateful recipes must define it."""
-        raise NotImplementedError(f"{type(self).__name__} keeps no state to observe.")
+        raise NotImplementedError(
+            f"{type(self).__name__} defines no `state_observed`: a stateful recipe must say whether its state "
+            "has seen data (a stateless one has no state to ask about)."
+        )
 
     def state_valid(self, state: tuple[Array, ...]) -> np.ndarray:
         """Per stacked layer: whether the state is one fp8ax's updates can have written (a
