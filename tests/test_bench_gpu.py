@@ -10,9 +10,6 @@ from pathlib import Path
 import jax
 import pytest
 
-# One worker runs this module (its module-scoped fixture runs a subprocess; see pyproject.toml).
-pytestmark = pytest.mark.xdist_group("bench_gpu")
-
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "bench" / "gpu.py"
 VARIANTS = ("bf16", "fp8ax_direct", "fp8ax_qdq", "haliax_fp8")

@@ -1,8 +1,9 @@
 """Sharded FP8 training on 8 CPU devices matches one device (the cases are in _multidevice.py).
 
-The device count must be set before JAX starts, so the cases run once, in a subprocess
-with `XLA_FLAGS=--xla_force_host_platform_device_count=8`; each test below reports one
-case. The subprocess also dumps the partitioned HLO of the FP8 all-gather probes.
+The device count must be set before JAX starts, so the cases run in subprocesses with
+`XLA_FLAGS=--xla_force_host_platform_device_count=8`, one per group of cases; each test
+below runs a group and reports every case that failed. The subprocess also dumps the
+partitioned HLO of the FP8 all-gather probes.
 """
 
 import json
@@ -14,10 +15,6 @@ import sys
 import pytest
 
 from recipe_registry import REGISTRY
-
-# One worker runs every test of this module (pyproject.toml's `--dist loadgroup`): the
-# module-scoped fixture below runs the subprocess once per worker that takes a test here.
-pytestmark = pytest.mark.xdist_group("multidevice")
 
 HERE = pathlib.Path(__file__).resolve().parent
 CASES = [
@@ -35,10 +32,23 @@ CASES = [
     *(f"recipe:{name}" for name in REGISTRY),  # every recipe of tests/recipe_registry.py
 ]
 
+# The cases that train Haliax models (hax.nn.Linear calls hax.dot); the shard_map cases use
+# Fp8DotGeneral directly.
+HALIAX_CASES = {"data_parallel", "fsdp", "tensor_parallel", "fsdp_tp", "global_amax", "fp8_all_gather"} | {
+    c for c in CASES if c.startswith("recipe:")
+}
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("multidevice")
+# Each test runs one group of cases in a subprocess of its own (a JAX start, a few
+# seconds), so that pytest-xdist shares the groups out between workers; a fixture shared by
+# several tests would run once per worker that takes one of them.
+GROUPS = {
+    "layouts": [c for c in CASES if c in HALIAX_CASES and not c.startswith("recipe:")],
+    "recipes": [c for c in CASES if c.startswith("recipe:")],
+    "shard_map": [c for c in CASES if c not in HALIAX_CASES],
+}
+
+
+def _run(cases, tmp) -> dict:
     dump = tmp / "hlo"
     env = dict(os.environ)
     env["XLA_FLAGS"] = (
@@ -48,28 +58,28 @@ def results(tmp_path_factory):
     env["FP8AX_HLO_DUMP"] = str(dump)
     out = tmp / "results.json"
     proc = subprocess.run(
-        [sys.executable, str(HERE / "_multidevice.py"), str(out)], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, str(HERE / "_multidevice.py"), str(out), *cases],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(out.read_text())
 
 
-def test_every_case_ran(results):
-    assert sorted(results) == sorted(CASES)
-
-
-# The cases that train Haliax models (hax.nn.Linear calls hax.dot); the shard_map cases use
-# Fp8DotGeneral directly.
-HALIAX_CASES = {"data_parallel", "fsdp", "tensor_parallel", "fsdp_tp", "global_amax", "fp8_all_gather"} | {
-    c for c in CASES if c.startswith("recipe:")
-}
+def test_every_case_is_in_a_group():
+    assert sorted(c for cases in GROUPS.values() for c in cases) == sorted(CASES)
 
 
 @pytest.mark.parametrize(
-    "case", [pytest.param(c, marks=pytest.mark.needs_hax_dot) if c in HALIAX_CASES else c for c in CASES]
+    "group", [pytest.param(g, marks=pytest.mark.needs_hax_dot) if g != "shard_map" else g for g in GROUPS]
 )
-def test_case(results, case):
-    assert results[case]["status"] == "ok", results[case]["info"]
+def test_cases(group, tmp_path):
+    results = _run(GROUPS[group], tmp_path)
+    assert sorted(results) == sorted(GROUPS[group])
+    failed = {case: r["info"] for case, r in results.items() if r["status"] != "ok"}
+    assert not failed, "\n\n".join(f"case {case} failed:\n{info}" for case, info in failed.items())
 
 
 def test_pmean_gradients_rejects_a_bad_axis_name():
