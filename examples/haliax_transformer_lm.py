@@ -179,7 +179,8 @@ RECIPES = {
     "delayed": fp8ax.DelayedScaling(),  # E4M3 forward, E5M2 gradients, one scale per tensor from its history
     "blockwise": fp8ax.BlockwiseScaling(),  # DeepSeek-V3: E4M3, 1x128 activation tiles, 128x128 weight blocks
     "current": fp8ax.CurrentScaling(),
-    "mx": fp8ax.MXScaling(),
+    "mx": fp8ax.MXScaling(),  # MXFP8 as trained now: blocks of 32, scales rounded up, E4M3 everywhere
+    "mx-ocp": fp8ax.MXScaling(grad_element="e5m2", scale_rule="floor"),  # the OCP spec's rule, E5M2 gradients
 }
 
 

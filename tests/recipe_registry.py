@@ -153,9 +153,11 @@ REGISTRY: dict[str, Entry] = {
         25,
     ),
     "int8": Entry(fp8ax.Int8Scaling(), int8_reference, 0.1, 35, 35),
-    "mx": Entry(fp8ax.MXScaling(8), mx_reference(8), 0.1, 25, 22),
-    "mx-fp6": Entry(fp8ax.MXScaling(8, "e2m3", "e3m2"), mx_reference(8, "e2m3", "e3m2"), 0.1, 25, 22),
-    "mx-fp4": Entry(fp8ax.MXScaling(8, "e2m1", "e2m1"), mx_reference(8, "e2m1", "e2m1"), 0.35, 13, 13),
+    # MXFP8 as trained now (the default: scales rounded up, E4M3 everywhere); FP6 and FP4
+    # with the OCP spec's floor rule, which the default no longer covers.
+    "mx": Entry(fp8ax.MXScaling(8), mx_reference(8, "e4m3", "e4m3", "ceil"), 0.1, 25, 25),
+    "mx-fp6": Entry(fp8ax.MXScaling(8, "e2m3", "e3m2", "floor"), mx_reference(8, "e2m3", "e3m2"), 0.1, 25, 22),
+    "mx-fp4": Entry(fp8ax.MXScaling(8, "e2m1", "e2m1", "floor"), mx_reference(8, "e2m1", "e2m1"), 0.35, 13, 13),
     "blockwise": Entry(fp8ax.BlockwiseScaling(8), blockwise_reference(8), 0.1, 25, 25),
     "blockwise-pow2": Entry(fp8ax.BlockwiseScaling(8, power_of_two=True), blockwise_reference(8, True), 0.1, 24, 24),
     # A stateful recipe defined outside fp8ax (tests/running_max.py); a fresh layer's

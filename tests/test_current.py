@@ -316,3 +316,19 @@ def test_a_nan_gives_the_same_scale_whatever_the_size(shape):
     rows = np.asarray(fp8ax.quantize(x, fp8ax.CurrentScaling("row"), axis=1).scale)[:, 0]
     assert rows[1] == 1.0
     np.testing.assert_array_equal(np.delete(rows, 1), np.float32(3.0) * np.float32(1 / 448))
+
+
+def test_mx_default_is_mxfp8_as_trained():
+    recipe = fp8ax.MXScaling()
+    assert recipe.scale_rule == "ceil" and recipe.block_size == 32
+    assert recipe.fwd_dtype == jnp.float8_e4m3fn and recipe.grad_dtype == jnp.float8_e4m3fn
+    # A block whose amax has significand 1.9 (15.2 = 1.9 * 2**3), replayed by hand:
+    # rounded up, the scale is 2**ceil(log2(15.2 / 448)) = 2**-4, 15.2 * 16 = 243.2 rounds
+    # to 240 in E4M3 (spacing 16 there): 15.0. The OCP floor rule takes 2**(3 - 8), and
+    # 15.2 * 32 = 486.4 saturates to 448: 14.0. The other values (0.5) are exact in both.
+    x = jnp.full((32,), 0.5, jnp.float32).at[0].set(15.2)
+    up = np.asarray(fp8ax.quantize(x, recipe, 0).dequantize())
+    floor = np.asarray(fp8ax.quantize(x, fp8ax.MXScaling(grad_element="e5m2", scale_rule="floor"), 0).dequantize())
+    assert up[0] == 15.0 and floor[0] == 14.0
+    np.testing.assert_array_equal(up[1:], 0.5)
+    np.testing.assert_array_equal(floor[1:], 0.5)

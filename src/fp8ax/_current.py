@@ -209,12 +209,17 @@ class MXScaling(AbstractStatelessRecipe):
     """OCP Microscaling (MX v1.0): blocks of `block_size` consecutive elements along the
     contracting dimension share one power-of-two scale, stored as E8M0.
 
-    Shared exponent (the spec's rule, `scale_rule="floor"`):
-    `floor(log2(amax of the block)) - emax` of the element type, clamped to E8M0's range;
-    elements are the block divided by `2**exponent`, rounded to nearest even in the
-    element type and saturated to its largest value. `scale_rule="ceil"` uses
-    `ceil(log2(amax / element_max))` instead, which never saturates. A contracting
-    dimension that is not a multiple of the block size is zero-padded for scaling only.
+    Shared exponent (the default, `scale_rule="ceil"`, the rule NVIDIA's MXFP8 training
+    study, TransformerEngine, torchao and JAX's `scaled_dot_general` use): the smallest
+    power of two that brings the block's amax within the element type's largest value,
+    `ceil(log2(amax / element_max))`, clamped to E8M0's range; elements are the block
+    divided by `2**exponent`, rounded to nearest even in the element type, and never
+    saturate. `scale_rule="floor"` is the OCP spec's rule, `floor(log2(amax)) - emax`,
+    which can push a block's largest values past the element type's range (they are
+    saturated). A contracting dimension that is not a multiple of the block size is
+    zero-padded for scaling only. The default formats are E4M3 for the forward operands
+    and the gradients (MXFP8 as trained in practice); the OCP-style recipe is
+    `MXScaling(grad_element="e5m2", scale_rule="floor")`.
 
     GEMMs with block scales are emulated: the blocks are dequantised (exact in float32)
     and multiplied with float32 accumulation, which is what an MX kernel computes for the
@@ -230,16 +235,17 @@ class MXScaling(AbstractStatelessRecipe):
         self,
         block_size: int = 32,
         fwd_element: str = "e4m3",
-        grad_element: str = "e5m2",
-        scale_rule: Literal["floor", "ceil"] = "floor",
+        grad_element: str = "e4m3",
+        scale_rule: Literal["floor", "ceil"] = "ceil",
     ):
         """**Arguments:**
 
         - `block_size`: elements per shared scale (default 32, the OCP value).
         - `fwd_element`: element type of the forward operands: `"e4m3"` (default),
           `"e5m2"`, `"e2m3"`, `"e3m2"` (FP6), `"e2m1"` (FP4) or `"int8"` (MXINT8).
-        - `grad_element`: element type of the output gradient (default `"e5m2"`).
-        - `scale_rule`: `"floor"` (the OCP spec's, default) or `"ceil"` (no saturation).
+        - `grad_element`: element type of the output gradient (default `"e4m3"`).
+        - `scale_rule`: `"ceil"` (the default: round the scale up, no saturation) or
+          `"floor"` (the OCP spec's).
         """
         if isinstance(block_size, bool) or not isinstance(block_size, int | np.integer) or block_size < 1:
             raise ValueError(f"`block_size` must be an int >= 1, got {block_size!r}.")
