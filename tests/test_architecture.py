@@ -23,7 +23,18 @@ import fp8ax
 SRC = pathlib.Path(fp8ax.__file__).parent
 
 LAYERS = [
-    {"_formats", "_rounding", "_mx", "_int8", "_layout", "_maxgrad", "_boundaries", "_hostcheck", "_haliax_compat"},
+    {
+        "_formats",
+        "_rounding",
+        "_mx",
+        "_int8",
+        "_layout",
+        "_maxgrad",
+        "_boundaries",
+        "_hostcheck",
+        "_haliax_compat",
+        "_accumulation",
+    },
     {"_quantized", "_state"},
     {"_recipes", "_current"},
     {"_settings", "_pipeline"},

@@ -4,6 +4,7 @@ from importlib.metadata import version as _version
 
 from ._accumulate import accumulate_gradients as accumulate_gradients
 from ._accumulate import microbatched as microbatched
+from ._accumulation import EmulatedAccumulation as EmulatedAccumulation
 from ._blockwise import BlockwiseScaling as BlockwiseScaling
 from ._calibrate import calibrate as calibrate
 from ._cast import cast_floating as cast_floating

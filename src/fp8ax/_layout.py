@@ -209,7 +209,9 @@ def _chunked(v: Array, scale: Array, contract: tuple[int, ...], chunks: tuple[in
     return v, scale
 
 
-def block_scaled_dot(a: Array, a_scale: Array, b: Array, b_scale: Array, dims, chunks, precision=None) -> Array:
+def block_scaled_dot(
+    a: Array, a_scale: Array, b: Array, b_scale: Array, dims, chunks, precision=None, accumulate=None
+) -> Array:
     """`dot_general(a * a_scale, b * b_scale, dims)` in float32 for scales that vary
     along the contraction: the contraction is cut into chunks (`chunks[i]` elements
     along the `i`-th contracted pair) over which both scales are constant; each chunk's
@@ -218,7 +220,9 @@ def block_scaled_dot(a: Array, a_scale: Array, b: Array, b_scale: Array, dims, c
     promotion of Tensor Core partial sums every 128 elements of K).
 
     `a_scale`, `b_scale` have their operand's rank (or are scalars): one entry per chunk
-    (or size 1) along the contracted axes, and size 1 or the full size elsewhere."""
+    (or size 1) along the contracted axes, and size 1 or the full size elsewhere.
+    `accumulate(x, y, dims)`, if given, computes each chunk's float32 GEMM instead of
+    `lax.dot_general` (the emulated tensor-core accumulation)."""
     (lc, rc), (lb, rb) = dims
     lc, rc = tuple(lc), tuple(rc)
     a_scale = jnp.reshape(a_scale, (1,) * a.ndim) if jnp.ndim(a_scale) == 0 else a_scale
@@ -237,7 +241,10 @@ def block_scaled_dot(a: Array, a_scale: Array, b: Array, b_scale: Array, dims, c
     sb = sb.reshape(sb.shape[: 1 + nb] + (1,) * len(a_free) + sb.shape[1 + nb :])
 
     def one(i):
-        acc = lax.dot_general(ac[i], bc[i], dims, precision=precision, preferred_element_type=jnp.float32)
+        if accumulate is not None:
+            acc = accumulate(ac[i], bc[i], dims)
+        else:
+            acc = lax.dot_general(ac[i], bc[i], dims, precision=precision, preferred_element_type=jnp.float32)
         return acc * (sa[i] * sb[i])
 
     if ac.shape[0] == 1:

@@ -28,6 +28,7 @@ from jax.custom_batching import custom_vmap
 from jaxtyping import Array
 
 from . import _boundaries
+from ._accumulation import emulated_dot_general
 from ._boundaries import vma
 from ._current import content_key
 from ._layout import block_scaled_dot, bwd_layout, oriented_gemm, rescale
@@ -313,10 +314,27 @@ def _dequantise(q: QuantizedArray, dtype):
     return q.dequantize(dtype)
 
 
+def _emulated(call: Call, qa, qb):
+    """The emulated accumulation for a GEMM of `qa` and `qb`, as a `(x, y, dims) ->
+    float32` function, if the settings ask for one and both operands are quantised to a
+    floating-point format (what runs on an FP8 tensor core); else None."""
+    setting = call.settings.accumulation
+    if setting is None or qa is None or qb is None:
+        return None
+    if not all(jnp.issubdtype(q.values.dtype, jnp.floating) for q in (qa, qb)):
+        return None  # int8: exact in int32
+    return functools.partial(_emulate, setting=setting)
+
+
+def _emulate(x, y, dims, setting):
+    return emulated_dot_general(x, y, dims, setting)
+
+
 def _gemm(call: Call, qa, a, qb, b, dims, precision, out_dtype, scale=None):
     """`a . b` from their quantised forms (`None`: use the high-precision operand).
     `scale`, if given, is `qa.scale * qb.scale` in float32, computed beforehand."""
     ref = np.result_type(call.lhs_dtype, call.rhs_dtype)
+    emulate = _emulated(call, qa, qb)
     if call.settings.mode == "direct" and qa is not None and qb is not None:
         pair = _low_precision_pair(qa, qb, dims)
         if pair is None and _fp8_pair(qa, qb) and _plainly_scaled(qa) and _plainly_scaled(qb):
@@ -334,11 +352,17 @@ def _gemm(call: Call, qa, a, qb, b, dims, precision, out_dtype, scale=None):
                     dims,
                     chunks,
                     precision,
+                    accumulate=emulate,
                 )
                 return out.astype(out_dtype)
         if pair is not None:
             # The kernel's computation: low-precision values, wide accumulation, then the
             # scales (one scalar multiply for two tensor-wise scales).
+            if emulate is not None and pair == "float32":
+                acc = emulate(qa.values, qb.values, dims)
+                return rescale(
+                    acc, qa.expanded_scale(), qa.values.shape, qb.expanded_scale(), qb.values.shape, dims
+                ).astype(out_dtype)
             if pair == "float32" and _epilogue_dtype(qa, qb, out_dtype):
                 # A 16-bit layer: the GEMM writes its dtype and the scales multiply that, one
                 # scalar in the same dtype. XLA:GPU folds the multiply (and the dtype) into
@@ -359,6 +383,9 @@ def _gemm(call: Call, qa, a, qb, b, dims, precision, out_dtype, scale=None):
                 acc, qa.expanded_scale(), qa.values.shape, qb.expanded_scale(), qb.values.shape, dims
             ).astype(out_dtype)
     # Dequantise-then-GEMM: `"qdq"` mode, MX blocks, or an operand kept in high precision.
+    if emulate is not None:
+        # Block formats (MX): the values times their power-of-two scales, exact in float32.
+        return emulate(qa.dequantize(np.float32), qb.dequantize(np.float32), dims).astype(out_dtype)
     da = _dequantise(qa, ref) if qa is not None else a.astype(ref)
     db = _dequantise(qb, ref) if qb is not None else b.astype(ref)
     pref = jnp.float32 if ref == np.float32 else None

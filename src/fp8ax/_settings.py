@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from ._accumulation import EmulatedAccumulation
 from ._current import AbstractStatelessRecipe
 from ._recipes import AbstractScalingRecipe, DelayedScaling
 
@@ -16,6 +17,19 @@ Mode = Literal["direct", "qdq"]
 Role = Literal["lhs", "rhs", "grad"]
 MODES = ("direct", "qdq")
 GEMMS = ("fwd", "dlhs", "drhs")
+
+
+def _check_accumulation(value, mode):
+    if value is None:
+        return None
+    if not isinstance(value, EmulatedAccumulation):
+        raise TypeError(f"`accumulation` must be an `fp8ax.EmulatedAccumulation` or None, got {value!r}.")
+    if mode != "direct":
+        raise ValueError(
+            f'`accumulation` needs `mode="direct"`, got mode={mode!r}: in "qdq" mode the GEMM runs on dequantised '
+            "values, which a tensor core never sees."
+        )
+    return value
 
 
 def check_precision(value, argname: str):
@@ -113,6 +127,7 @@ class GemmSettings(eqx.Module):
     grad_recipe: Any = eqx.field(static=True)
     high_precision_gemms: tuple[str, ...] = eqx.field(static=True)
     fp8_all_gather_axes: tuple[str, ...] | None = eqx.field(static=True)
+    accumulation: EmulatedAccumulation | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -128,6 +143,7 @@ class GemmSettings(eqx.Module):
         grad_recipe=None,
         high_precision_gemms: Sequence[str] = (),
         fp8_all_gather_axes: Sequence[str] | None = None,
+        accumulation: EmulatedAccumulation | None = None,
     ):
         """**Arguments:**
 
@@ -157,6 +173,11 @@ class GemmSettings(eqx.Module):
           FP8 `rhs` is laid out by the current Haliax axis mapping right after
           quantisation (a sharding constraint), so that an FSDP all-gather of the weight
           moves FP8 values. `None` (default): no constraint. (Keyword only argument.)
+        - `accumulation`: an [`fp8ax.EmulatedAccumulation`][] to compute each GEMM of two
+          floating-point quantised operands as a tensor core accumulates it (limited
+          precision, promotion to float32 every so many elements), on any backend; needs
+          `mode="direct"`. `None` (default): XLA's float32 accumulation. (Keyword only
+          argument.)
         """
         self.recipe = _check_recipe(recipe)
         self.mode = _check_mode(mode)
@@ -169,6 +190,7 @@ class GemmSettings(eqx.Module):
         self.grad_recipe = _check_override("grad_recipe", grad_recipe)
         self.high_precision_gemms = _check_high_precision(high_precision_gemms)
         self.fp8_all_gather_axes = _check_axes(fp8_all_gather_axes)
+        self.accumulation = _check_accumulation(accumulation, self.mode)
         changed = any(v is not None for v in (lhs_recipe, rhs_recipe, grad_recipe)) or self.high_precision_gemms
         if changed and self.recipe.stateful:
             raise ValueError(
@@ -205,6 +227,7 @@ class GemmKeywords(TypedDict, total=False):
     grad_recipe: Any
     high_precision_gemms: Sequence[str]
     fp8_all_gather_axes: Sequence[str] | None
+    accumulation: EmulatedAccumulation | None
 
 
 GEMM_KEYWORDS = tuple(GemmKeywords.__annotations__)
