@@ -91,6 +91,20 @@ dnn_version_info { major: 9 minor: 8 patch: 0 }
 runtime_version { major: 12 minor: 8 patch: 0 }
 device_description_str: "NVIDIA H100 80GB HBM3"
 """
+# A Blackwell B200 for the checks of block-scaled GEMMs (tests/test_gpu_program.py): the
+# H100's description with compute capability 10.0, 148 SMs, 126 MB L2, 8 TB/s and 180 GB,
+# and cuDNN 9.28, the version the jax[cuda12] 0.10.2 wheels install (nvidia-cudnn-cu12
+# 9.28.0.42). XLA:GPU hands JAX's block-scaled dot to cuDNN only for cuDNN 9.10 and newer
+# (with the H100 description's 9.8 it expands it into a dequantise and a plain GEMM).
+B200_TARGET = (
+    H100_TARGET.replace("major: 9 minor: 0", "major: 10 minor: 0")
+    .replace("core_count: 132", "core_count: 148")
+    .replace("l2_cache_size: 52428800", "l2_cache_size: 132120576")
+    .replace("memory_bandwidth: 3352320000000", "memory_bandwidth: 8000000000000")
+    .replace("device_memory_size: 84942979072", "device_memory_size: 193273528320")
+    .replace("dnn_version_info { major: 9 minor: 8 patch: 0 }", "dnn_version_info { major: 9 minor: 28 patch: 0 }")
+    .replace("NVIDIA H100 80GB HBM3", "NVIDIA B200")
+)
 H100 = {"fp8_flops_per_s": 989.4e12, "bf16_flops_per_s": 494.7e12, "bytes_per_s": 3.35e12}
 
 PATHS = {"triton": "", "cublas": "--xla_gpu_enable_triton_gemm=false"}
@@ -99,11 +113,12 @@ STEPS = ("mlp", "block")
 SIZES = {"tokens": 8192, "batch": 4, "embed": 4096, "mlp": 14336, "heads": 32, "head_dim": 128}
 
 
-def topology_mesh():
-    """A one-device mesh on a described H100, or raises with the reason."""
+def topology_mesh(target: str = H100_TARGET):
+    """A one-device mesh on a described GPU (an H100 by default), or raises with the
+    reason."""
     from jax.experimental import topologies
 
-    topo = topologies.get_topology_desc(platform="cuda", target_config=H100_TARGET, topology="1x1x1")
+    topo = topologies.get_topology_desc(platform="cuda", target_config=target, topology="1x1x1")
     return topologies.make_mesh(topo, (1,), ("x",))
 
 

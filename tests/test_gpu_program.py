@@ -73,6 +73,53 @@ def h100():
     return mesh, _load("gpu_hlo")
 
 
+@pytest.fixture(scope="module")
+def b200():
+    """A one-device mesh on a described Blackwell B200 (compute capability 10.0), or a
+    skip."""
+    sys.path.insert(0, str(BENCH))
+    aot = _load("gpu_aot")
+    try:
+        return aot.topology_mesh(aot.B200_TARGET)
+    except Exception as e:  # noqa: BLE001 (the reason is the skip message)
+        reason = f"no deviceless GPU compile here (needs the CUDA plugin, pip install 'jax[cuda12]'): {e}"
+        if os.environ.get("FP8AX_REQUIRE_GPU_AOT") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+
+
+def _mx_step_program(mesh, block_scaled_gemm) -> str:
+    """The optimised HLO of the three GEMMs of an MXFP8 layer (forward, input and weight
+    gradient), compiled for `mesh`'s GPU."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    dg = fp8ax.Fp8DotGeneral.init(fp8ax.MXScaling(), block_scaled_gemm=block_scaled_gemm)
+    rep = NamedSharding(mesh, P())
+    x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=rep)
+    w = jax.ShapeDtypeStruct((512, 384), jnp.bfloat16, sharding=rep)
+    step = jax.jit(jax.grad(lambda x, w: jnp.sum(dg(x, w, DIMS).astype(jnp.float32) ** 2), argnums=(0, 1)))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "fp8ax: this program is compiled for")
+        return step.lower(x, w).compile().as_text()
+
+
+def test_mx_gemms_are_blackwell_block_scaled_gemms(b200):
+    """On compute capability 10.0, all three MXFP8 GEMMs of a training step become
+    cuDNN's block-scaled GEMM (E4M3 values, E8M0 scales: no dequantised copy and no plain
+    GEMM); without `block_scaled_gemm` they are dequantised and run as plain GEMMs."""
+    text = _mx_step_program(b200, True)
+    calls = re.findall(r'custom_call_target="([^"]+)"', text)
+    assert calls.count("__cudnn$blockScaledDot") == 3, sorted(set(calls))
+    assert not [c for c in calls if c.startswith("__cublas")], sorted(set(calls))
+    # The calls' operands: E4M3 values and E8M0 scales (parameters of their fusions).
+    values = re.findall(r"%(?:lhs|rhs)\.\d+ = (\w+)\[", text)
+    scales = re.findall(r"%(?:lhs|rhs)_scale\.\d+ = (\w+)\[", text)
+    assert len(values) == len(scales) == 6 and set(values) == {"f8e4m3fn"} and set(scales) == {"f8e8m0fnu"}
+    plain = re.findall(r'custom_call_target="([^"]+)"', _mx_step_program(b200, False))
+    assert "__cudnn$blockScaledDot" not in plain
+
+
 def _step(mesh, mode):
     """`(jitted step, abstract arguments placed on the described H100)`: the gradient of
     one FP8 layer's output, the layer in `mode`."""

@@ -6,6 +6,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+import fp8ax
 from fp8ax import _formats, _mx
 from helpers import sqnr
 
@@ -439,3 +440,67 @@ def test_gradient_of_a_full_contraction():
     np.testing.assert_array_equal(
         np.asarray(gx), np.float32(0.3125) * np.asarray(fp8ax.quantize(w, recipe, axis=0).dequantize())
     )
+
+
+def _documented_scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_element_type=jnp.float32):
+    """`jax.nn.scaled_matmul` as its documentation defines it (JAX lowers it for GPUs
+    only): each operand times its scales repeated over their blocks, then
+    'BMK,BNK->BMN', here in float32 at the highest precision."""
+    a = lhs.astype(jnp.float32) * jnp.repeat(lhs_scales.astype(jnp.float32), lhs.shape[-1] // lhs_scales.shape[-1], -1)
+    b = rhs.astype(jnp.float32) * jnp.repeat(rhs_scales.astype(jnp.float32), rhs.shape[-1] // rhs_scales.shape[-1], -1)
+    return jnp.einsum("BMK,BNK->BMN", a, b, precision=jax.lax.Precision.HIGHEST).astype(preferred_element_type)
+
+
+@pytest.mark.parametrize(
+    "lhs_shape,rhs_shape,dims",
+    [
+        ((64, 96), (96, 32), (((1,), (0,)), ((), ()))),
+        # a batch axis in different places, the contraction first on one side
+        ((3, 32, 64), (64, 3, 32), (((2,), (0,)), ((0,), (1,)))),
+    ],
+)
+def test_block_scaled_gemm_layout(lhs_shape, rhs_shape, dims, getkey, monkeypatch):
+    """`block_scaled_gemm=True` hands the three MXFP8 GEMMs to `jax.nn.scaled_matmul` in
+    its (B, M, K) x (B, N, K) layout; with the documented definition of that function in
+    its place (JAX has no CPU lowering), forward and gradients equal the dequantised
+    GEMMs of `block_scaled_gemm=False` (float32 sums of the same exact products: within
+    1e-6 of the largest entry). Every contraction here is a multiple of 32 long; a GEMM
+    whose contraction is not (a partial block) keeps the dequantised GEMM."""
+    calls = []
+
+    def fake(*args, **kwargs):
+        calls.append(args[0].shape)
+        return _documented_scaled_matmul(*args, **kwargs)
+
+    monkeypatch.setattr(jax.nn, "scaled_matmul", fake)
+    x = jax.random.normal(getkey(), lhs_shape)
+    w = jax.random.normal(getkey(), rhs_shape)
+    out_shape = jax.eval_shape(lambda x, w: jax.lax.dot_general(x, w, dims), x, w).shape
+    g = jax.random.normal(getkey(), out_shape)
+    results = {}
+    for flag in (True, False):
+        dg = fp8ax.Fp8DotGeneral.init(fp8ax.MXScaling(), block_scaled_gemm=flag)
+        out, vjp = jax.vjp(lambda x, w: dg(x, w, dims), x, w)
+        results[flag] = (out, *vjp(g))
+    assert len(calls) == 3  # forward, input gradient, weight gradient
+    for got, want in zip(results[True], results[False]):
+        scale = float(jnp.max(jnp.abs(want)))
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-6 * scale)
+
+
+def test_block_scaled_gemm_needs_whole_mxfp8_blocks(getkey, monkeypatch):
+    """A contraction that is not a multiple of 32 long, FP4 elements, and the default on
+    a machine without a Blackwell GPU keep the dequantised GEMM; a bad flag is an error
+    naming it."""
+    from fp8ax._pipeline import _blackwell_default_device
+
+    calls = []
+    monkeypatch.setattr(jax.nn, "scaled_matmul", lambda *a, **k: calls.append(1) or _documented_scaled_matmul(*a, **k))
+    x, w = jax.random.normal(getkey(), (64, 96)), jax.random.normal(getkey(), (96, 32))
+    dims = (((1,), (0,)), ((), ()))
+    fp8ax.Fp8DotGeneral.init(fp8ax.MXScaling(), block_scaled_gemm=True)(x[:, :80], w[:80], dims)  # K = 80
+    fp8ax.Fp8DotGeneral.init(fp8ax.MXScaling(32, "e2m1", "e2m1", "floor"), block_scaled_gemm=True)(x, w, dims)
+    fp8ax.Fp8DotGeneral.init(fp8ax.MXScaling())(x, w, dims)  # default: a Blackwell GPU only
+    assert calls == [] and not _blackwell_default_device()  # CPU here
+    with pytest.raises(TypeError, match="`block_scaled_gemm` must be None, True or False, got 'yes'"):
+        fp8ax.GemmSettings(block_scaled_gemm="yes")

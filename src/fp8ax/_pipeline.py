@@ -330,11 +330,71 @@ def _emulate(x, y, dims, setting):
     return emulated_dot_general(x, y, dims, setting)
 
 
+_MX_GEMM_VALUES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
+_E8M0 = np.dtype(jnp.float8_e8m0fnu)
+
+
+def _blackwell_default_device() -> bool:
+    device = jax.devices()[0]
+    capability = getattr(device, "compute_capability", None)
+    if device.platform != "gpu" or capability is None:
+        return False
+    return int(str(capability).split(".")[0]) >= 10
+
+
+def _block_scaled_pair(call: Call, qa, qb, dims) -> bool:
+    """Whether the GEMM of `qa` and `qb` runs as `jax.nn.scaled_matmul`: MXFP8 operands
+    (not both E5M2) blocked by 32 along their one contracting axis, and the settings (or,
+    by default, the default device) ask for it."""
+    wanted = call.settings.block_scaled_gemm
+    if wanted is False or call.settings.mode != "direct" or call.settings.accumulation is not None:
+        return False
+    if qa is None or qb is None:
+        return False
+    (lc, rc), _ = dims
+    if len(lc) != 1:
+        return False
+    for q, c in ((qa, lc[0]), (qb, rc[0])):
+        if np.dtype(q.values.dtype) not in _MX_GEMM_VALUES or np.dtype(q.scale.dtype) != _E8M0 or q.int_exponent:
+            return False
+        if q.tile is None or tuple(q.tile) != tuple(32 if d == c else 1 for d in range(q.values.ndim)):
+            return False
+        if q.values.shape[c] % 32:
+            return False
+    if np.dtype(qa.values.dtype) == np.dtype(qb.values.dtype) == np.dtype(jnp.float8_e5m2):
+        return False  # cuDNN has no E5M2 x E5M2 kernel
+    return True if wanted else _blackwell_default_device()
+
+
+def _block_scaled_gemm(qa, qb, dims):
+    """`dot_general` of two MXFP8 operands through `jax.nn.scaled_matmul` ((B, M, K) x
+    (B, N, K), scales per 32 elements of K), in float32, laid out as `dot_general`'s
+    output."""
+    (lc, rc), (lb, rb) = dims
+
+    def as_bmk(q, contract, batch):
+        free = [d for d in range(q.values.ndim) if d != contract and d not in batch]
+        order = list(batch) + free + [contract]
+        shape = q.values.shape
+        nb = int(np.prod([shape[d] for d in batch], dtype=np.int64))
+        nf = int(np.prod([shape[d] for d in free], dtype=np.int64))
+        values = jnp.transpose(q.values, order).reshape(nb, nf, shape[contract])
+        scale = jnp.transpose(q.scale, order).reshape(nb, nf, shape[contract] // 32)
+        return values, scale, [shape[d] for d in batch], [shape[d] for d in free]
+
+    a, sa, batch_shape, a_free = as_bmk(qa, lc[0], lb)
+    b, sb, _, b_free = as_bmk(qb, rc[0], rb)
+    out = jax.nn.scaled_matmul(a, b, sa, sb, preferred_element_type=jnp.float32)
+    return out.reshape(tuple(batch_shape) + tuple(a_free) + tuple(b_free))
+
+
 def _gemm(call: Call, qa, a, qb, b, dims, precision, out_dtype, scale=None):
     """`a . b` from their quantised forms (`None`: use the high-precision operand).
     `scale`, if given, is `qa.scale * qb.scale` in float32, computed beforehand."""
     ref = np.result_type(call.lhs_dtype, call.rhs_dtype)
     emulate = _emulated(call, qa, qb)
+    if _block_scaled_pair(call, qa, qb, dims):
+        return _block_scaled_gemm(qa, qb, dims).astype(out_dtype)
     if call.settings.mode == "direct" and qa is not None and qb is not None:
         pair = _low_precision_pair(qa, qb, dims)
         if pair is None and _fp8_pair(qa, qb) and _plainly_scaled(qa) and _plainly_scaled(qb):

@@ -128,6 +128,7 @@ class GemmSettings(eqx.Module):
     high_precision_gemms: tuple[str, ...] = eqx.field(static=True)
     fp8_all_gather_axes: tuple[str, ...] | None = eqx.field(static=True)
     accumulation: EmulatedAccumulation | None = eqx.field(static=True)
+    block_scaled_gemm: bool | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -144,6 +145,7 @@ class GemmSettings(eqx.Module):
         high_precision_gemms: Sequence[str] = (),
         fp8_all_gather_axes: Sequence[str] | None = None,
         accumulation: EmulatedAccumulation | None = None,
+        block_scaled_gemm: bool | None = None,
     ):
         """**Arguments:**
 
@@ -178,6 +180,13 @@ class GemmSettings(eqx.Module):
           precision, promotion to float32 every so many elements), on any backend; needs
           `mode="direct"`. `None` (default): XLA's float32 accumulation. (Keyword only
           argument.)
+        - `block_scaled_gemm`: whether an MXFP8 GEMM (E4M3 or E5M2 values, E8M0 scales
+          per 32 elements of its one contracting axis) runs as JAX's block-scaled GEMM,
+          `jax.nn.scaled_matmul`, which XLA:GPU hands to cuDNN's block-scaled kernel on
+          Blackwell (compute capability 10.0 and newer). `None` (default): when the
+          default device is such a GPU; `True`: always (elsewhere XLA expands it into a
+          dequantise and a float32 GEMM); `False`: never (the values are dequantised in
+          float32 and multiplied, the same numbers). (Keyword only argument.)
         """
         self.recipe = _check_recipe(recipe)
         self.mode = _check_mode(mode)
@@ -191,6 +200,9 @@ class GemmSettings(eqx.Module):
         self.high_precision_gemms = _check_high_precision(high_precision_gemms)
         self.fp8_all_gather_axes = _check_axes(fp8_all_gather_axes)
         self.accumulation = _check_accumulation(accumulation, self.mode)
+        if block_scaled_gemm not in (None, True, False):
+            raise TypeError(f"`block_scaled_gemm` must be None, True or False, got {block_scaled_gemm!r}.")
+        self.block_scaled_gemm = block_scaled_gemm
         changed = any(v is not None for v in (lhs_recipe, rhs_recipe, grad_recipe)) or self.high_precision_gemms
         if changed and self.recipe.stateful:
             raise ValueError(
@@ -228,6 +240,7 @@ class GemmKeywords(TypedDict, total=False):
     high_precision_gemms: Sequence[str]
     fp8_all_gather_axes: Sequence[str] | None
     accumulation: EmulatedAccumulation | None
+    block_scaled_gemm: bool | None
 
 
 GEMM_KEYWORDS = tuple(GemmKeywords.__annotations__)
