@@ -181,6 +181,13 @@ RECIPES = {
     "current": fp8ax.CurrentScaling(),
     "mx": fp8ax.MXScaling(),  # MXFP8 as trained now: blocks of 32, scales rounded up, E4M3 everywhere
     "mx-ocp": fp8ax.MXScaling(grad_element="e5m2", scale_rule="floor"),  # the OCP spec's rule, E5M2 gradients
+    # NVFP4 as NVIDIA trains it: E2M1, E4M3 scales per 16, a tensor scale, 16x16 weight blocks,
+    # the Hadamard-rotated weight gradient, stochastically rounded gradients; then without
+    # the rotation, without stochastic rounding, and without either.
+    "nvfp4": fp8ax.NVFP4Scaling(),
+    "nvfp4-no-rht": fp8ax.NVFP4Scaling(hadamard=False),
+    "nvfp4-no-sr": fp8ax.NVFP4Scaling(stochastic_gradients=False),
+    "nvfp4-rn": fp8ax.NVFP4Scaling(hadamard=False, stochastic_gradients=False),
 }
 
 

@@ -22,6 +22,7 @@ import fp8ax
 from running_max import RunningMaxScaling
 from test_blockwise import reference_quantize as _blockwise_tiles
 from test_mx import _reference as _mx_reference
+from test_nvfp4 import dequantized as _nvfp4_dequantized
 
 _F32_TINY = np.float32(2.0**-126)
 
@@ -115,6 +116,18 @@ def blockwise_reference(tile=128, power_of_two=False):
     return ref
 
 
+def nvfp4_reference(recipe):
+    def ref(x, axes, role):
+        if x.ndim == 0:
+            return ref(x[None], (0,), role)[0]
+        return _nvfp4_dequantized(x, recipe.tile_for(x.shape, axes, role))  # the tile is the recipe's
+
+    return ref
+
+
+_NVFP4_RN = fp8ax.NVFP4Scaling(two_d_weights=False, hadamard=False, stochastic_gradients=False)
+
+
 @dataclasses.dataclass(frozen=True)
 class Entry:
     recipe: fp8ax.AbstractScalingRecipe
@@ -129,7 +142,9 @@ class Entry:
 # 3 bits (E4M3) ~28 dB, 2 bits (E5M2) ~24 dB, 1 bit (E2M1) ~16 dB, int8 per row ~40 dB.
 # Measured: tensor 28.5/24.6/24.5, row 28.7/25.1/25.1, E4M3 everywhere 28.7/28.4/28.4,
 # MXFP8 27.5/24.1/24.2, MXFP6 27.9/24.2/24.4, MXFP4 15.6/15.9/16.0, int8 40.1/41.7/41.5
-# (block size 32 for MX); the test prints every entry's. Training tolerances: 10% of the bf16 loss for 8-bit formats; MXFP4
+# (block size 32 for MX), NVFP4 16.7/15.2/15.4 (stochastic gradients: noisier per draw,
+# unbiased), NVFP4 1x16 blocks rounded to nearest 17.6/17.5/17.4; the test prints every
+# entry's. Training tolerances: 10% of the bf16 loss for 8-bit formats; MXFP4
 # rounds every operand by up to 1/6 relative (measured +24%): 35%.
 REGISTRY: dict[str, Entry] = {
     "delayed": Entry(fp8ax.DelayedScaling(), delayed_first_call_reference(), 0.1, 25, 22),
@@ -160,6 +175,10 @@ REGISTRY: dict[str, Entry] = {
     "mx-fp4": Entry(fp8ax.MXScaling(8, "e2m1", "e2m1", "floor"), mx_reference(8, "e2m1", "e2m1"), 0.35, 13, 13),
     "blockwise": Entry(fp8ax.BlockwiseScaling(8), blockwise_reference(8), 0.1, 25, 25),
     "blockwise-pow2": Entry(fp8ax.BlockwiseScaling(8, power_of_two=True), blockwise_reference(8, True), 0.1, 24, 24),
+    # NVFP4 as NVIDIA trains it (2D weight blocks, Hadamard-rotated weight gradient,
+    # stochastic gradients), and with every trick off.
+    "nvfp4": Entry(fp8ax.NVFP4Scaling(), nvfp4_reference(fp8ax.NVFP4Scaling()), 0.35, 15, 13),
+    "nvfp4-1d-rn": Entry(_NVFP4_RN, nvfp4_reference(_NVFP4_RN), 0.35, 15, 15),
     # A stateful recipe defined outside fp8ax (tests/running_max.py); a fresh layer's
     # first call calibrates on its own amax, as delayed scaling's does.
     "running-max": Entry(RunningMaxScaling(), delayed_first_call_reference(), 0.1, 25, 22),

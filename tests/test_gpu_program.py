@@ -88,13 +88,13 @@ def b200():
         pytest.skip(reason)
 
 
-def _mx_step_program(mesh, block_scaled_gemm) -> str:
-    """The optimised HLO of the three GEMMs of an MXFP8 layer (forward, input and weight
-    gradient), compiled for `mesh`'s GPU."""
+def _block_step_program(mesh, recipe, block_scaled_gemm) -> str:
+    """The optimised HLO of the three GEMMs of a block-scaled layer (forward, input and
+    weight gradient), compiled for `mesh`'s GPU."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    dg = fp8ax.Fp8DotGeneral.init(fp8ax.MXScaling(), block_scaled_gemm=block_scaled_gemm)
+    dg = fp8ax.Fp8DotGeneral.init(recipe, block_scaled_gemm=block_scaled_gemm)
     rep = NamedSharding(mesh, P())
     x = jax.ShapeDtypeStruct((256, 512), jnp.bfloat16, sharding=rep)
     w = jax.ShapeDtypeStruct((512, 384), jnp.bfloat16, sharding=rep)
@@ -104,19 +104,27 @@ def _mx_step_program(mesh, block_scaled_gemm) -> str:
         return step.lower(x, w).compile().as_text()
 
 
-def test_mx_gemms_are_blackwell_block_scaled_gemms(b200):
-    """On compute capability 10.0, all three MXFP8 GEMMs of a training step become
-    cuDNN's block-scaled GEMM (E4M3 values, E8M0 scales: no dequantised copy and no plain
-    GEMM); without `block_scaled_gemm` they are dequantised and run as plain GEMMs."""
-    text = _mx_step_program(b200, True)
+@pytest.mark.parametrize(
+    "recipe,values,scales",
+    [(fp8ax.MXScaling(), "f8e4m3fn", "f8e8m0fnu"), (fp8ax.NVFP4Scaling(), "f4e2m1fn", "f8e4m3fn")],
+    ids=["mxfp8", "nvfp4"],
+)
+def test_block_gemms_are_blackwell_block_scaled_gemms(b200, recipe, values, scales):
+    """On compute capability 10.0, all three GEMMs of an MXFP8 or NVFP4 training step
+    become cuDNN's block-scaled GEMM on the low-precision values and their block scales
+    (no dequantised copy, no plain GEMM for them); without `block_scaled_gemm` they are
+    dequantised and run as plain GEMMs. (NVFP4's Hadamard rotation of the weight
+    gradient's operands is a small GEMM of its own, by a 16x16 matrix.)"""
+    text = _block_step_program(b200, recipe, True)
     calls = re.findall(r'custom_call_target="([^"]+)"', text)
     assert calls.count("__cudnn$blockScaledDot") == 3, sorted(set(calls))
-    assert not [c for c in calls if c.startswith("__cublas")], sorted(set(calls))
-    # The calls' operands: E4M3 values and E8M0 scales (parameters of their fusions).
-    values = re.findall(r"%(?:lhs|rhs)\.\d+ = (\w+)\[", text)
-    scales = re.findall(r"%(?:lhs|rhs)_scale\.\d+ = (\w+)\[", text)
-    assert len(values) == len(scales) == 6 and set(values) == {"f8e4m3fn"} and set(scales) == {"f8e8m0fnu"}
-    plain = re.findall(r'custom_call_target="([^"]+)"', _mx_step_program(b200, False))
+    # The calls' operands (parameters of their fusions): values and block scales.
+    got_values = re.findall(r"%(?:lhs|rhs)\.\d+ = (\w+)\[", text)
+    got_scales = re.findall(r"%(?:lhs|rhs)_scale\.\d+ = (\w+)\[", text)
+    assert len(got_values) == len(got_scales) == 6 and set(got_values) == {values} and set(got_scales) == {scales}
+    if isinstance(recipe, fp8ax.MXScaling):
+        assert not [c for c in calls if c.startswith("__cublas")], sorted(set(calls))
+    plain = re.findall(r'custom_call_target="([^"]+)"', _block_step_program(b200, recipe, False))
     assert "__cudnn$blockScaledDot" not in plain
 
 

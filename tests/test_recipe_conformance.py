@@ -35,7 +35,8 @@ def _dequantised(q) -> np.ndarray:
     if scale.dtype == ml_dtypes.float8_e8m0fnu:
         scale = scale.astype(np.float64) * (2.0**-6 if q.values.dtype == jnp.int8 else 1.0)
     values = np.asarray(q.values).astype(np.float64)
-    return values * scale.astype(np.float64) * 2.0**q.int_exponent
+    outer = 1.0 if q.outer_scale is None else np.float64(q.outer_scale)  # two-level scales (NVFP4)
+    return values * scale.astype(np.float64) * 2.0**q.int_exponent * outer
 
 
 def _quantised(recipe, x, axes, role):

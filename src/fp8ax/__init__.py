@@ -33,6 +33,7 @@ from ._distributed import pmean_gradients as pmean_gradients
 from ._dot_general import Fp8DotGeneral as Fp8DotGeneral
 from ._inspect import GemmReport as GemmReport
 from ._inspect import gemm_report as gemm_report
+from ._nvfp4 import NVFP4Scaling as NVFP4Scaling
 from ._quantized import QuantizedArray as QuantizedArray
 from ._recipes import AbstractScalingRecipe as AbstractScalingRecipe
 from ._recipes import DelayedScaling as DelayedScaling

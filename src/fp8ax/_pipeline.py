@@ -306,6 +306,8 @@ def _fp8_pair(qa, qb) -> bool:
 
 
 def _dequantise(q: QuantizedArray, dtype):
+    if q.outer_scale is not None:
+        return q.dequantize(dtype, outer=False)  # the outer scale multiplies the GEMM's result
     if q.layout == "tensor" and _plainly_scaled(q):
         # XLA's pattern for an FP8 GEMM: convert to the compute dtype, multiply by the
         # scale in that dtype, dot. `"qdq"` mode relies on XLA rewriting exactly this.
@@ -332,6 +334,7 @@ def _emulate(x, y, dims, setting):
 
 _MX_GEMM_VALUES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
 _E8M0 = np.dtype(jnp.float8_e8m0fnu)
+_FP4 = np.dtype(jnp.float4_e2m1fn)
 
 
 def _blackwell_default_device() -> bool:
@@ -342,10 +345,27 @@ def _blackwell_default_device() -> bool:
     return int(str(capability).split(".")[0]) >= 10
 
 
+def _block_format(q, contract: int) -> str | None:
+    """`"mxfp8"` or `"nvfp4"` if `q` is a block format `jax.nn.scaled_matmul` takes for a
+    GEMM contracting `contract` (whole blocks: 32 E4M3/E5M2 values per E8M0 scale, or 16
+    E2M1 values per E4M3 scale times a tensor scale), else None. Blocks that also span
+    free axes (NVFP4's 16x16 weight blocks) are repeated per row."""
+    values, scale = np.dtype(q.values.dtype), np.dtype(q.scale.dtype)
+    if values in _MX_GEMM_VALUES and scale == _E8M0 and not q.int_exponent and q.outer_scale is None:
+        kind, block = "mxfp8", 32
+    elif values == _FP4 and scale == np.dtype(jnp.float8_e4m3fn) and q.outer_scale is not None:
+        kind, block = "nvfp4", 16
+    else:
+        return None
+    if q.tile is None or q.tile[contract] != block or q.values.shape[contract] % block:
+        return None
+    return kind
+
+
 def _block_scaled_pair(call: Call, qa, qb, dims) -> bool:
-    """Whether the GEMM of `qa` and `qb` runs as `jax.nn.scaled_matmul`: MXFP8 operands
-    (not both E5M2) blocked by 32 along their one contracting axis, and the settings (or,
-    by default, the default device) ask for it."""
+    """Whether the GEMM of `qa` and `qb` runs as `jax.nn.scaled_matmul`: two operands of
+    the same block format (MXFP8, not E5M2 on both sides; or NVFP4) along their one
+    contracting axis, and the settings (or, by default, the default device) ask for it."""
     wanted = call.settings.block_scaled_gemm
     if wanted is False or call.settings.mode != "direct" or call.settings.accumulation is not None:
         return False
@@ -354,22 +374,18 @@ def _block_scaled_pair(call: Call, qa, qb, dims) -> bool:
     (lc, rc), _ = dims
     if len(lc) != 1:
         return False
-    for q, c in ((qa, lc[0]), (qb, rc[0])):
-        if np.dtype(q.values.dtype) not in _MX_GEMM_VALUES or np.dtype(q.scale.dtype) != _E8M0 or q.int_exponent:
-            return False
-        if q.tile is None or tuple(q.tile) != tuple(32 if d == c else 1 for d in range(q.values.ndim)):
-            return False
-        if q.values.shape[c] % 32:
-            return False
+    kind = _block_format(qa, lc[0])
+    if kind is None or _block_format(qb, rc[0]) != kind:
+        return False
     if np.dtype(qa.values.dtype) == np.dtype(qb.values.dtype) == np.dtype(jnp.float8_e5m2):
         return False  # cuDNN has no E5M2 x E5M2 kernel
     return True if wanted else _blackwell_default_device()
 
 
 def _block_scaled_gemm(qa, qb, dims):
-    """`dot_general` of two MXFP8 operands through `jax.nn.scaled_matmul` ((B, M, K) x
-    (B, N, K), scales per 32 elements of K), in float32, laid out as `dot_general`'s
-    output."""
+    """`dot_general` of two block-scaled operands through `jax.nn.scaled_matmul` ((B, M,
+    K) x (B, N, K), a scale per block of K), in float32, times the operands' tensor scales,
+    laid out as `dot_general`'s output."""
     (lc, rc), (lb, rb) = dims
 
     def as_bmk(q, contract, batch):
@@ -379,12 +395,14 @@ def _block_scaled_gemm(qa, qb, dims):
         nb = int(np.prod([shape[d] for d in batch], dtype=np.int64))
         nf = int(np.prod([shape[d] for d in free], dtype=np.int64))
         values = jnp.transpose(q.values, order).reshape(nb, nf, shape[contract])
-        scale = jnp.transpose(q.scale, order).reshape(nb, nf, shape[contract] // 32)
+        rows = q.expanded_scale([d for d in range(q.values.ndim) if d != contract])  # one scale per row and block
+        scale = jnp.transpose(rows, order).reshape(nb, nf, -1)
         return values, scale, [shape[d] for d in batch], [shape[d] for d in free]
 
     a, sa, batch_shape, a_free = as_bmk(qa, lc[0], lb)
     b, sb, _, b_free = as_bmk(qb, rc[0], rb)
     out = jax.nn.scaled_matmul(a, b, sa, sb, preferred_element_type=jnp.float32)
+    out = _times_outer(out, _outer_product(qa, qb))
     return out.reshape(tuple(batch_shape) + tuple(a_free) + tuple(b_free))
 
 
@@ -443,13 +461,34 @@ def _gemm(call: Call, qa, a, qb, b, dims, precision, out_dtype, scale=None):
                 acc, qa.expanded_scale(), qa.values.shape, qb.expanded_scale(), qb.values.shape, dims
             ).astype(out_dtype)
     # Dequantise-then-GEMM: `"qdq"` mode, MX blocks, or an operand kept in high precision.
+    # Two-level scales (NVFP4): the inner dequantisation (FP4 values times E4M3 scales)
+    # is exact, and the per-tensor outer scales multiply the GEMM's result.
+    outer = _outer_product(qa, qb)
     if emulate is not None:
-        # Block formats (MX): the values times their power-of-two scales, exact in float32.
-        return emulate(qa.dequantize(np.float32), qb.dequantize(np.float32), dims).astype(out_dtype)
+        # Block formats: the values times their block scales, exact in float32.
+        out = emulate(qa.dequantize(np.float32, outer=False), qb.dequantize(np.float32, outer=False), dims)
+        return _times_outer(out, outer).astype(out_dtype)
     da = _dequantise(qa, ref) if qa is not None else a.astype(ref)
     db = _dequantise(qb, ref) if qb is not None else b.astype(ref)
-    pref = jnp.float32 if ref == np.float32 else None
-    return lax.dot_general(da, db, dims, precision=precision, preferred_element_type=pref).astype(out_dtype)
+    pref = jnp.float32 if ref == np.float32 or outer is not None else None
+    out = lax.dot_general(da, db, dims, precision=precision, preferred_element_type=pref)
+    return _times_outer(out, outer).astype(out_dtype)
+
+
+def _outer_product(qa, qb):
+    """The product of the two operands' outer (per-tensor) scales, or None if neither
+    has one."""
+    outers = [q.outer_scale for q in (qa, qb) if q is not None and q.outer_scale is not None]
+    if not outers:
+        return None
+    return outers[0] if len(outers) == 1 else lax.mul(outers[0], outers[1])
+
+
+def _times_outer(out, outer):
+    if outer is None:
+        return out
+    out = lax.convert_element_type(out, np.float32)
+    return lax.mul(out, lax.broadcast_in_dim(outer, out.shape, ()))
 
 
 def _ndim(res) -> int:
@@ -598,6 +637,7 @@ def _drhs(call: Call, res_l, res_r, g, shared_g, scale, key):
     if "drhs" in st.high_precision_gemms:
         (ql, lhs), (qg, g2) = (None, res_l), (None, g)
     else:
+        res_l, g = _rotated_for_drhs(call, res_l, g, shared_g, lay.l_free, lay.g_lfree)
         ql, lhs = _operand(call, "lhs", res_l, lay.l_free)
         qg, g2 = (shared_g, g) if shared_g is not None else (_quantise(call, "grad", g, lay.g_lfree, key=key)[0], g)
     scale = scale if (ql is res_l and shared_g is not None and qg is shared_g) else None
@@ -610,6 +650,38 @@ def _drhs(call: Call, res_l, res_r, g, shared_g, scale, key):
         lay.drhs_ab,
         lay.drhs_ba,
     )
+
+
+def _rotate(x, axes, rotation):
+    """`x` with its `axes` (flattened in order) multiplied, `n` consecutive elements at a
+    time, by the `(n, n)` matrix `rotation`."""
+    n = rotation.shape[0]
+    rest = [d for d in range(x.ndim) if d not in axes]
+    moved = jnp.transpose(x, rest + list(axes))
+    lead = moved.shape[: len(rest)]
+    blocks = moved.reshape(lead + (-1, n)).astype(jnp.float32)
+    out = jnp.einsum("...k,jk->...j", blocks, rotation, precision=lax.Precision.HIGHEST)
+    out = out.reshape(moved.shape).astype(x.dtype)
+    return jnp.transpose(out, np.argsort(rest + list(axes)))
+
+
+def _rotated_for_drhs(call: Call, res_l, g, shared_g, l_axes, g_axes):
+    """The weight gradient's operands, rotated along their contraction if the recipe asks
+    for it (`weight_gradient_rotation`) and both are quantised here from high precision
+    by the same recipe, with a contraction a multiple of the rotation's size long."""
+    st = call.settings
+    recipe = st.operand_recipe("lhs")
+    if recipe is None or recipe != st.operand_recipe("grad") or shared_g is not None:
+        return res_l, g
+    if isinstance(res_l, QuantizedArray):
+        return res_l, g
+    rotation = recipe.weight_gradient_rotation()
+    if rotation is None:
+        return res_l, g
+    length = int(np.prod([res_l.shape[d] for d in l_axes], dtype=np.int64))
+    if not l_axes or length % rotation.shape[0]:
+        return res_l, g
+    return _rotate(res_l, tuple(l_axes), rotation), _rotate(g, tuple(g_axes), rotation)
 
 
 @functools.cache

@@ -56,6 +56,9 @@ class QuantizedArray(eqx.Module):
     - `tile`: extent of one scale's tile along each axis, or None. (Static.)
     - `int_exponent`: an implicit power of two of the values (MXINT8's `2**-6`).
       (Static.)
+    - `outer_scale`: a second, per-tensor float32 scale multiplying `scale` (two-level
+      scaling, as NVFP4: E4M3 block scales times one float32 scale), or None. A scalar,
+      so it always factors out of a GEMM.
 
     Whether the scale factors out of a GEMM, and how a GEMM that cannot factor it out
     splits its contraction, is derived from `scale` and `tile`
@@ -69,11 +72,15 @@ class QuantizedArray(eqx.Module):
     scale: Array
     tile: tuple[int, ...] | None = eqx.field(static=True)
     int_exponent: int = eqx.field(static=True)
+    outer_scale: Array | None
 
-    def __init__(self, values, scale, tile=None, int_exponent: int = 0, *, block_axis=None, block_size=None):
+    def __init__(
+        self, values, scale, tile=None, int_exponent: int = 0, *, block_axis=None, block_size=None, outer_scale=None
+    ):
         """**Arguments:**
 
-        - `values`, `scale`, `tile`, `int_exponent`: as above.
+        - `values`, `scale`, `tile`, `int_exponent`, `outer_scale`: as above
+          (`outer_scale` keyword only).
         - `block_axis`, `block_size`: MX's one-axis blocks, an older spelling of `tile`
           (`block_size` along `block_axis`, 1 elsewhere). (Keyword only arguments.)
         """
@@ -86,8 +93,16 @@ class QuantizedArray(eqx.Module):
         self.scale = scale
         self.tile = _check_tile(tile, np.shape(values))
         self.int_exponent = int(int_exponent)
+        self.outer_scale = outer_scale
 
     def __check_init__(self):
+        if self.outer_scale is not None and (
+            np.ndim(self.outer_scale) != 0 or np.dtype(self.outer_scale.dtype) != np.dtype(np.float32)
+        ):
+            raise ValueError(
+                f"`outer_scale` must be None or a float32 scalar, got {getattr(self.outer_scale, 'dtype', None)} "
+                f"of shape {np.shape(self.outer_scale)}."
+            )
         if self.tile is not None:
             want = tuple(-(-n // t) for n, t in zip(self.values.shape, self.tile))
             if tuple(self.scale.shape) != want:
@@ -155,9 +170,13 @@ class QuantizedArray(eqx.Module):
             return self.scale
         return expand_tiles(self.scale, self.tile, self.values.shape, axes)
 
-    def dequantize(self, dtype=jnp.float32) -> Array:
-        """`values * scale` in `dtype`, computed in float32 (exactly, bit by bit, for
-        power-of-two `float8_e8m0fnu` scales)."""
+    def dequantize(self, dtype=jnp.float32, *, outer: bool = True) -> Array:
+        """`values * scale` (times `outer_scale`, if any and `outer`) in `dtype`,
+        computed in float32 (exactly, bit by bit, for power-of-two `float8_e8m0fnu`
+        scales, and without the outer scale for E4M3 scales of FP4 values)."""
+        if outer and self.outer_scale is not None:
+            inner = self.dequantize(jnp.float32, outer=False)
+            return (inner * self.outer_scale).astype(dtype)
         scale = self.expanded_scale()
         if np.dtype(scale.dtype) == _E8M0:
             out = e8m0_ldexp(self.values, scale, self.int_exponent)

@@ -125,6 +125,14 @@ class AbstractScalingRecipe(eqx.Module):
         del role
         return False
 
+    def weight_gradient_rotation(self) -> Array | None:
+        """An orthogonal `(n, n)` matrix that both operands of the weight-gradient GEMM
+        (the activation and the output gradient) are multiplied by along their
+        contraction, `n` elements at a time, before they are quantised (NVFP4's random
+        Hadamard transform); the GEMM is unchanged in exact arithmetic. None (the
+        default): no rotation."""
+        return None
+
     def init_state(self, batch_shape: tuple[int, ...] = ()) -> AbstractState | None:
         """Fresh state for one operand (`batch_shape` for stacked layers): an instance of
         the recipe's own [`fp8ax.AbstractState`][] subclass; None for a stateless recipe.

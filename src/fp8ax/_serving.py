@@ -57,33 +57,36 @@ def _storable(dtype: np.dtype, layer: str) -> None:
 
 def encode(values: Array) -> Array:
     """Low-precision values as an array `eqx.tree_serialise_leaves` can save: int8 as it
-    is, 8-bit floats as their bits (uint8), FP4 as one 4-bit code per uint8."""
+    is, 8-bit floats as their bits (uint8), FP4 packed two codes per byte along the last
+    axis (element `2i` in the low nibble of byte `i`, the last byte half empty for an odd
+    length)."""
     dtype = np.dtype(values.dtype)
     if dtype == np.dtype(np.int8):
         return values
     if dtype == _FP4:
-        # XLA bitcasts pairs of FP4 values into one byte (element 0 in the low nibble).
         n = values.shape[-1]
         padded = jnp.pad(values, [(0, 0)] * (values.ndim - 1) + [(0, n % 2)])
-        packed = lax.bitcast_convert_type(padded.reshape(*values.shape[:-1], -1, 2), jnp.uint8)
-        codes = jnp.stack([packed & jnp.uint8(15), packed >> jnp.uint8(4)], axis=-1)
-        return codes.reshape(*values.shape[:-1], -1)[..., :n]
+        # XLA bitcasts a pair of FP4 values into one byte, element 0 in the low nibble.
+        return lax.bitcast_convert_type(padded.reshape(*values.shape[:-1], -1, 2), jnp.uint8)
     return lax.bitcast_convert_type(values, jnp.uint8)
 
 
-def decode(stored: Array, dtype: np.dtype) -> Array:
-    """Inverse of `encode` (bit-exact)."""
+def decode(stored: Array, dtype: np.dtype, length: int | None = None) -> Array:
+    """Inverse of `encode` (bit-exact); `length` is the last axis's length before FP4
+    values were packed."""
     dtype = np.dtype(dtype)
     if dtype == np.dtype(np.int8):
         return stored
     if dtype == _FP4:
-        n = stored.shape[-1]
-        padded = jnp.pad(stored, [(0, 0)] * (stored.ndim - 1) + [(0, n % 2)])
-        pairs = padded.reshape(*stored.shape[:-1], -1, 2)
-        packed = pairs[..., 0] | (pairs[..., 1] << jnp.uint8(4))
-        values = lax.bitcast_convert_type(packed, dtype)
-        return values.reshape(*stored.shape[:-1], -1)[..., :n]
+        values = lax.bitcast_convert_type(stored, dtype)  # (..., m) bytes -> (..., m, 2) values
+        values = values.reshape(*stored.shape[:-1], -1)
+        return values if length is None else values[..., :length]
     return lax.bitcast_convert_type(stored, dtype)
+
+
+def packed_length(values: Array) -> int | None:
+    """The last axis's length of FP4 values (which `encode` packs), else None."""
+    return int(values.shape[-1]) if np.dtype(values.dtype) == _FP4 else None
 
 
 # --------------------------------------------------------------------------- the GEMM
@@ -97,9 +100,10 @@ class _Serve(NamedTuple):
     layer: str
     tile: tuple[int, ...] | None  # the quantised weight's layout (QuantizedArray's static fields)
     int_exponent: int
+    scale_format: np.dtype  # the weight scale's dtype before storage (stored as uint8 bits if 8-bit)
 
 
-def _serve(s: _Serve, x, w_values, w_scale, x_scale):
+def _serve(s: _Serve, x, w_values, w_scale, x_scale, w_outer):
     call = s.call
     st = call.settings
     (lc, rc), _ = call.dims
@@ -111,21 +115,21 @@ def _serve(s: _Serve, x, w_values, w_scale, x_scale):
     else:
         qx, _ = _quantise(call, x_role, x, x_axes)
     if np.dtype(w_scale.dtype) == np.dtype(np.uint8):
-        w_scale = lax.bitcast_convert_type(w_scale, _E8M0)
-    qw = QuantizedArray(w_values, w_scale, s.tile, s.int_exponent)
+        w_scale = lax.bitcast_convert_type(w_scale, s.scale_format)
+    qw = QuantizedArray(w_values, w_scale, s.tile, s.int_exponent, outer_scale=w_outer)
     if s.role == "rhs":
         return _gemm(call, qx, x, qw, None, call.dims, call.fwd_precision, call.out_dtype)
     return _gemm(call, qw, None, qx, x, call.dims, call.fwd_precision, call.out_dtype)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _serving_gemm(s: _Serve, x, w_values, w_scale, x_scale):
-    return _serve(s, x, w_values, w_scale, x_scale)
+def _serving_gemm(s: _Serve, x, w_values, w_scale, x_scale, w_outer):
+    return _serve(s, x, w_values, w_scale, x_scale, w_outer)
 
 
 def _serving_gemm_jvp(s, primals, tangents):
     del primals
-    names = ("its input", "its weight", "its weight scale", "its activation scale")
+    names = ("its input", "its weight", "its weight scale", "its activation scale", "its weight's tensor scale")
     what = [n for n, t in zip(names, tangents) if t is not None and not isinstance(t, SymbolicZero)]
     raise TypeError(
         f"Layer `{s.layer}` is a serving layer (`fp8ax.to_serving`): its weight is stored in low precision and "
@@ -157,13 +161,16 @@ class ServingDotGeneral(eqx.Module):
 
     weight_scale: Array
     input_scale: Array | None
+    weight_outer_scale: Array | None  # two-level scales (NVFP4): the weight's per-tensor float32 scale
     settings: GemmSettings = eqx.field(static=True)
     weight_dtype: np.dtype = eqx.field(static=True)  # the training weight's dtype (before `compute_dtype`)
     value_dtype: np.dtype = eqx.field(static=True)  # the low-precision format of the stored values
     tile: tuple[int, ...] | None = eqx.field(static=True)  # the layout of the weight's scales
     int_exponent: int = eqx.field(static=True)
-    weight_scale_dtype: np.dtype = eqx.field(static=True)  # as stored: float32, or uint8 bits of E8M0
+    weight_scale_dtype: np.dtype = eqx.field(static=True)  # as stored: float32, or uint8 bits of E8M0 / E4M3
     layer: str = eqx.field(static=True)  # the layer's path in the model, for messages
+    packed_length: int | None = eqx.field(static=True, default=None)  # FP4: the last axis before packing
+    weight_scale_format: np.dtype = eqx.field(static=True, default=_E8M0)  # an 8-bit scale's format
 
     @jax.named_scope("fp8ax.ServingDotGeneral")
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None) -> Array:
@@ -221,16 +228,21 @@ class ServingDotGeneral(eqx.Module):
             lhs_vma=vma(lhs),
             rhs_vma=vma(rhs),
         )
-        s = _Serve(call, role, self.layer, self.tile, self.int_exponent)
-        return _serving_gemm(s, x, w, self.weight_scale, self.input_scale)
+        s = _Serve(call, role, self.layer, self.tile, self.int_exponent, self.weight_scale_format)
+        return _serving_gemm(s, x, w, self.weight_scale, self.input_scale, self.weight_outer_scale)
 
     def _check_scales(self):
         want = self.weight_scale_dtype
-        for name, value in (("weight_scale", self.weight_scale), ("input_scale", self.input_scale)):
+        scales = (
+            ("weight_scale", self.weight_scale),
+            ("input_scale", self.input_scale),
+            ("weight_outer_scale", self.weight_outer_scale),
+        )
+        for name, value in scales:
             if value is not None and np.dtype(value.dtype) != (want if name == "weight_scale" else np.float32):
                 raise TypeError(
                     f"Layer `{self.layer}`: `{name}` has dtype {value.dtype}, but a serving scale must stay as "
-                    "converted (float32, or uint8 bits of E8M0). It was probably cast along with the model: cast "
+                    "converted (float32, or uint8 bits of E8M0 or E4M3). It was probably cast along with the model: cast "
                     "with `fp8ax.cast_floating(model, dtype)`, which leaves serving scales alone."
                 )
 
@@ -278,7 +290,8 @@ class ServingLinear(eqx.Module):
         The output, shape `(..., out_features)` (or `(...)` if `out_features="scalar"`).
         """
         del key
-        return linear_call(self, x, decode(self.weight, self.dot_general.value_dtype))
+        dg = self.dot_general
+        return linear_call(self, x, decode(self.weight, dg.value_dtype, dg.packed_length))
 
 
 class ServingHaliaxLinear(eqx.Module):
@@ -310,7 +323,11 @@ class ServingHaliaxLinear(eqx.Module):
         """
         del key
         require_haliax_matmul("fp8ax.ServingHaliaxLinear")
-        w = hax.NamedArray(decode(self.weight.array, self.dot_general.value_dtype), self.weight.axes)
+        dg = self.dot_general
+        axes = self.weight.axes
+        if dg.packed_length is not None:  # FP4 values, packed along the last axis
+            axes = axes[:-1] + (axes[-1].resize(dg.packed_length),)
+        w = hax.NamedArray(decode(self.weight.array, dg.value_dtype, dg.packed_length), axes)
         # `haliax.nn.Linear` lets `hax.dot` pick the result dtype from the two operands;
         # the training weight's dtype stands in for the stored values'.
         preferred = jnp.result_type(inputs.array, self.dot_general.weight_dtype)
@@ -413,11 +430,13 @@ def _convert_gemm(
 
         input_scale = eqx.filter_jit(_vmapped(frozen, n_batch))(tuple(jax.tree.leaves(dg.lhs)))
     scale = q.scale
-    if np.dtype(scale.dtype) == _E8M0:
+    scale_format = np.dtype(scale.dtype)
+    if scale_format.itemsize == 1:  # E8M0 (MX), E4M3 (NVFP4): kept as bits, which no cast touches
         scale = lax.bitcast_convert_type(scale, jnp.uint8)
     serving = ServingDotGeneral(
         weight_scale=scale,
         input_scale=input_scale,
+        weight_outer_scale=q.outer_scale,
         settings=st,
         weight_dtype=weight_dtype,
         value_dtype=np.dtype(q.values.dtype),
@@ -425,6 +444,8 @@ def _convert_gemm(
         int_exponent=q.int_exponent,
         weight_scale_dtype=np.dtype(scale.dtype),
         layer=layer,
+        packed_length=packed_length(q.values),
+        weight_scale_format=scale_format if scale_format.itemsize == 1 else _E8M0,
     )
     return eqx.filter_jit(encode)(q.values), serving
 
@@ -459,7 +480,10 @@ def _convert_haliax(layer: str, lin: hnn.Linear, check: bool) -> ServingHaliaxLi
     contracting = tuple(i for i, n in enumerate(names[n_batch:]) if n in in_names)
     stacked = f"the stacked axes {lin.weight.axes[:n_batch]}"
     weight, dg = _convert_gemm(layer, lin.dot_general, w, contracting, n_batch, check, stacked)
-    return ServingHaliaxLinear(hax.NamedArray(weight, lin.weight.axes), lin.bias, dg, lin.In, lin.Out)
+    axes = lin.weight.axes
+    if dg.packed_length is not None:  # FP4: two values per byte along the last axis
+        axes = axes[:-1] + (axes[-1].resize(weight.shape[-1]),)
+    return ServingHaliaxLinear(hax.NamedArray(weight, axes), lin.bias, dg, lin.In, lin.Out)
 
 
 def _is_node(x) -> bool:

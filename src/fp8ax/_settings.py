@@ -180,13 +180,14 @@ class GemmSettings(eqx.Module):
           precision, promotion to float32 every so many elements), on any backend; needs
           `mode="direct"`. `None` (default): XLA's float32 accumulation. (Keyword only
           argument.)
-        - `block_scaled_gemm`: whether an MXFP8 GEMM (E4M3 or E5M2 values, E8M0 scales
-          per 32 elements of its one contracting axis) runs as JAX's block-scaled GEMM,
+        - `block_scaled_gemm`: whether a block-scaled GEMM (MXFP8: E4M3 or E5M2 values,
+          E8M0 scales per 32 elements of its one contracting axis; NVFP4: E2M1 values,
+          E4M3 scales per 16, times the tensor scales) runs as JAX's block-scaled GEMM,
           `jax.nn.scaled_matmul`, which XLA:GPU hands to cuDNN's block-scaled kernel on
           Blackwell (compute capability 10.0 and newer). `None` (default): when the
-          default device is such a GPU; `True`: always (elsewhere XLA expands it into a
-          dequantise and a float32 GEMM); `False`: never (the values are dequantised in
-          float32 and multiplied, the same numbers). (Keyword only argument.)
+          default device is such a GPU; `True`: always (JAX lowers it for GPUs only);
+          `False`: never (the blocks are dequantised and multiplied, the same numbers).
+          (Keyword only argument.)
         """
         self.recipe = _check_recipe(recipe)
         self.mode = _check_mode(mode)
