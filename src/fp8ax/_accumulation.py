@@ -67,9 +67,10 @@ class EmulatedAccumulation(eqx.Module):
           more). The default, 13, is the e8m13 accumulator measured on Hopper's FP8
           tensor cores, DeepSeek-V3's "around 14 bits". At most 22.
         - `products_per_add`: how many products are aligned and added to the partial sum
-          in one step (the width of the tensor core's adder tree). The error's size
-          depends little on it (docs/recipes.md measures it); 32 is a modelling choice,
-          not a published figure.
+          in one step (the width of the tensor core's adder tree). With the defaults the
+          emulation equals an H100's cuBLASLt FP8 GEMM with fast accumulation bit for bit
+          on 99.99% of the outputs of a (1024, 4096) x (4096, 1024) product of
+          same-signed values (docs/recipes.md); with 16, on 10%.
         - `promote_every`: the promotion interval, in elements of the contraction: every
           so many, the partial sum is added to a float32 accumulator and restarts from
           zero. A positive multiple of `products_per_add`, or `None` (default): never,
