@@ -154,7 +154,12 @@ class NVFP4Scaling(AbstractStatelessRecipe):
         ratio = jnp.where(jnp.isfinite(ratio), jnp.minimum(ratio, jnp.float32(E4M3_MAX)), jnp.float32(jnp.nan))
         block = ratio.astype(E4M3)
         scale = lax.mul(block.astype(jnp.float32), outer)  # the decode scale of each block
-        inverse = jnp.where(scale > 0, lax.div(jnp.float32(1), jnp.where(scale > 0, scale, 1)), jnp.float32(0))
-        y = jnp.clip(x.astype(jnp.float32) * expand_tiles(inverse, tile, x.shape), -E2M1_MAX, E2M1_MAX)
-        values = y.astype(E2M1) if key is None else stochastic_round_e2m1(y, key)
+        # `x * (1 / scale)`, clipped to +-6 (`_formats`' cast); 0 for a block whose scale is 0.
+        inverse = expand_tiles(
+            jnp.where(scale > 0, _formats.reciprocal(jnp.where(scale > 0, scale, 1)), jnp.float32(0)), tile, x.shape
+        )
+        if key is None:
+            values = _formats.quantize(x, None, E2M1, inv=inverse)
+        else:
+            values = stochastic_round_e2m1(_formats.scale_and_clip(x, None, E2M1, inv=inverse), key)
         return QuantizedArray(values, block, tile, outer_scale=outer)

@@ -325,11 +325,7 @@ def _emulated(call: Call, qa, qb):
         return None
     if not all(jnp.issubdtype(q.values.dtype, jnp.floating) for q in (qa, qb)):
         return None  # int8: exact in int32
-    return functools.partial(_emulate, setting=setting)
-
-
-def _emulate(x, y, dims, setting):
-    return emulated_dot_general(x, y, dims, setting)
+    return functools.partial(emulated_dot_general, setting=setting)
 
 
 _MX_GEMM_VALUES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
@@ -436,12 +432,8 @@ def _gemm(call: Call, qa, a, qb, b, dims, precision, out_dtype, scale=None):
         if pair is not None:
             # The kernel's computation: low-precision values, wide accumulation, then the
             # scales (one scalar multiply for two tensor-wise scales).
-            if emulate is not None and pair == "float32":
-                acc = emulate(qa.values, qb.values, dims)
-                return rescale(
-                    acc, qa.expanded_scale(), qa.values.shape, qb.expanded_scale(), qb.values.shape, dims
-                ).astype(out_dtype)
-            if pair == "float32" and _epilogue_dtype(qa, qb, out_dtype):
+            emulated = emulate is not None and pair == "float32"  # the emulation replaces the GEMM
+            if pair == "float32" and not emulated and _epilogue_dtype(qa, qb, out_dtype):
                 # A 16-bit layer: the GEMM writes its dtype and the scales multiply that, one
                 # scalar in the same dtype. XLA:GPU folds the multiply (and the dtype) into
                 # the FP8 GEMM's epilogue, on the cuBLASLt and the Triton path alike, so no
@@ -455,8 +447,11 @@ def _gemm(call: Call, qa, a, qb, b, dims, precision, out_dtype, scale=None):
                     scale = lax.mul(_f32(qa.scale), _f32(qb.scale))
                 scale = lax.convert_element_type(scale, out_dtype)
                 return lax.mul(out, lax.broadcast_in_dim(scale, out.shape, ()))
-            acc_dtype = jnp.int32 if pair == "int32" else jnp.float32
-            acc = lax.dot_general(qa.values, qb.values, dims, precision=precision, preferred_element_type=acc_dtype)
+            if emulated:
+                acc = emulate(qa.values, qb.values, dims)
+            else:
+                acc_dtype = jnp.int32 if pair == "int32" else jnp.float32
+                acc = lax.dot_general(qa.values, qb.values, dims, precision=precision, preferred_element_type=acc_dtype)
             return rescale(
                 acc, qa.expanded_scale(), qa.values.shape, qb.expanded_scale(), qb.values.shape, dims
             ).astype(out_dtype)
