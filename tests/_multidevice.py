@@ -361,10 +361,66 @@ def _recipe_case(name):
     return case
 
 
+# A mixture-of-experts block (two `haliax.nn.MoELinear`, per-expert FP8 weight state),
+# expert parallel: the experts' weights sharded over "model", the tokens over "data".
+Tok, Experts, Hid = hax.Axis("Tok", 64), hax.Axis("Experts", 8), hax.Axis("Hid", 32)
+EXPERT_SIZES = (12, 0, 4, 8, 16, 1, 15, 8)  # uneven, one expert without tokens
+
+
+class _Moe(eqx.Module):
+    up: hax.nn.MoELinear
+    down: hax.nn.MoELinear
+
+    def __call__(self, x):
+        sizes = hax.named(jnp.array(EXPERT_SIZES, jnp.int32), Experts)
+        return self.down(hax.nn.relu(self.up(x, sizes)), sizes)
+
+
+def _moe_model():
+    k1, k2 = jax.random.split(jax.random.key(7))
+    plain = _Moe(hax.nn.MoELinear.init(Experts, In, Hid, key=k1), hax.nn.MoELinear.init(Experts, Hid, Out, key=k2))
+    return fp8ax.fp8_linear_layers(plain)
+
+
+def case_moe_expert_parallel():
+    k1, k2 = jax.random.split(jax.random.key(3))
+    x, y = hax.random.normal(k1, (Tok, In)), hax.random.normal(k2, (Tok, Out))
+
+    def loss(model, x, y):
+        return hax.mean((model(x) - y) ** 2).scalar()
+
+    def step(model, x, y):
+        value, grads = eqx.filter_value_and_grad(loss)(model, x, y)
+        overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)
+        return value, fp8ax.apply_updates(model, jax.tree.map(lambda g: -LR * g, grads), overwrite)
+
+    single, losses = _moe_model(), []
+    jitted = eqx.filter_jit(step)
+    for _ in range(STEPS):
+        value, single = jitted(single, x, y)
+        losses.append(float(value))
+    compute, params = {"Tok": "data", "Experts": "model"}, {"Experts": "model"}
+    with hax.partitioning.set_mesh(_mesh()):
+        model = hax.shard(_moe_model(), params)
+        xs, ys = hax.shard(x, compute), hax.shard(y, compute)
+        sharded_step = hax.named_jit(step, axis_resources=compute, out_axis_resources=params)
+        sharded = []
+        for _ in range(STEPS):
+            value, model = sharded_step(model, xs, ys)
+            sharded.append(float(value))
+    _compare((losses, single), (sharded, model))
+    spec = model.up.weight.array.sharding.spec
+    assert spec[0] == "model", spec  # the experts' weights stay sharded over "model"
+    unused = np.asarray(model.up.ragged.rhs.amax_history[1])
+    assert np.all(unused == 0), unused  # the expert without tokens observed nothing
+    return {"losses": sharded}
+
+
 CASES = {
     **{name: _layout_case(name) for name in LAYOUTS},
     **{f"recipe:{name}": _recipe_case(name) for name in REGISTRY},
     "global_amax": case_global_amax,
+    "moe_expert_parallel": case_moe_expert_parallel,
     "fp8_all_gather": case_fp8_all_gather,
     "shard_map_check_vma": _shard_map_case(True, trained=False),
     "shard_map_check_vma_trained": _shard_map_case(True, trained=True),

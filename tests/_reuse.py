@@ -158,6 +158,43 @@ def _use_blocks(layer, x):
     return layer.fold(_named(x)).array
 
 
+# Grouped GEMMs (mixture of experts): 3 experts over the rows of a use, one of them empty
+# (per-expert weight state: that expert records nothing). Half the rows go to each of the
+# other two, so that every split of a batch (scan halves, a shard of 2 rows) uses the same
+# experts as the whole: the reference's uses, run on whole inputs, then observe the same
+# experts. (Uneven groups: tests/test_ragged.py.)
+EXPERTS = 3
+
+
+def _group_sizes(n):
+    return jnp.array([n // 2, 0, n - n // 2], jnp.int32)
+
+
+class _Ragged(eqx.Module):
+    op: fp8ax.Fp8RaggedDot
+    w: jax.Array
+
+
+def _make_ragged(key):
+    return _Ragged(fp8ax.Fp8RaggedDot.init(num_experts=EXPERTS), jax.random.normal(key, (EXPERTS, D, D)))
+
+
+def _use_ragged(layer, x):
+    return layer.op(x, layer.w, _group_sizes(x.shape[0]))
+
+
+def _make_hax_moe(key):
+    _, Embed, _ = _axes(1)
+    return fp8ax.fp8_linear_layers(
+        hax.nn.MoELinear.init(hax.Axis("experts", EXPERTS), Embed, Embed.alias("out"), key=key)
+    )
+
+
+def _use_hax_moe(layer, x):
+    sizes = hax.named(_group_sizes(x.shape[0]), hax.Axis("experts", EXPERTS))
+    return layer(_named(x), sizes).array
+
+
 ENTRIES = {
     e.name: e
     for e in [
@@ -168,6 +205,10 @@ ENTRIES = {
         Entry("hax_dot", _make_hax_dot, _use_hax_dot, one_layer=True, haliax=True),
         Entry("stacked", _make_stacked, _use_blocks, one_layer=False, haliax=True),
         Entry("blockseq", _make_blockseq, _use_blocks, one_layer=False, haliax=True),
+        # The groups of a use depend on its rows, so one use on the concatenation is not
+        # the two uses: the merge is checked, not the concatenation.
+        Entry("ragged_dot", _make_ragged, _use_ragged, one_layer=False, haliax=False),
+        Entry("hax_moe", _make_hax_moe, _use_hax_moe, one_layer=False, haliax=False),
     ]
 }
 

@@ -38,7 +38,7 @@ LAYERS = [
     {"_quantized", "_state"},
     {"_recipes", "_current"},
     {"_settings", "_pipeline"},
-    {"_dot_general", "_config"},
+    {"_dot_general", "_ragged", "_config"},
     {
         "_transform",
         "_update",

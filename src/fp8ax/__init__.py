@@ -35,13 +35,13 @@ from ._inspect import GemmReport as GemmReport
 from ._inspect import gemm_report as gemm_report
 from ._nvfp4 import NVFP4Scaling as NVFP4Scaling
 from ._quantized import QuantizedArray as QuantizedArray
+from ._ragged import Fp8MoELinear as Fp8MoELinear
+from ._ragged import Fp8RaggedDot as Fp8RaggedDot
 from ._recipes import AbstractScalingRecipe as AbstractScalingRecipe
 from ._recipes import DelayedScaling as DelayedScaling
 from ._recipes import Operand as Operand
 from ._report import ConversionReport as ConversionReport
 from ._report import conversion_report as conversion_report
-
-# serving
 from ._serving import (
     ServingDotGeneral as ServingDotGeneral,
 )
@@ -51,6 +51,10 @@ from ._serving import (
 from ._serving import (
     ServingLinear as ServingLinear,
 )
+
+# serving
+from ._serving import ServingMoELinear as ServingMoELinear
+from ._serving import ServingRaggedDot as ServingRaggedDot
 from ._serving import (
     serving_template as serving_template,
 )

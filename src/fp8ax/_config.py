@@ -7,6 +7,7 @@ import equinox as eqx
 import numpy as np
 
 from ._dot_general import _SETTINGS_FIELDS, Fp8DotGeneral
+from ._ragged import Fp8RaggedDot
 from ._recipes import AbstractScalingRecipe
 from ._settings import GEMM_KEYWORDS, GemmKeywords, GemmSettings, Mode, settings_from
 
@@ -26,6 +27,7 @@ class Fp8Config(eqx.Module):
     min_features: int = eqx.field(static=True)
     fp8_all_gather: bool = eqx.field(static=True)
     settings: GemmSettings = eqx.field(static=True)
+    per_expert_weights: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -36,6 +38,7 @@ class Fp8Config(eqx.Module):
         settings: GemmSettings | None = None,
         min_features: int = 0,
         fp8_all_gather: bool = False,
+        per_expert_weights: bool = True,
         **gemm: Unpack[GemmKeywords],
     ):
         """**Arguments:**
@@ -67,6 +70,10 @@ class Fp8Config(eqx.Module):
           `lhs_recipe`, `rhs_recipe`, `grad_recipe`, `high_precision_gemms`: fields of
           [`fp8ax.GemmSettings`][], with its defaults, documented there (keyword only).
           (`fp8_all_gather_axes` comes from each layer's axes, with `fp8_all_gather`.)
+        - `per_expert_weights`: in mixture-of-experts layers (`haliax.nn.MoELinear`),
+          quantise each expert's weight as a tensor of its own, with its own scale and
+          state (default); False: all experts' weights as one tensor (keyword only). See
+          [`fp8ax.Fp8RaggedDot`][].
         """
         self.targets = _check_targets(targets)
         allowed = tuple(k for k in GEMM_KEYWORDS if k != "fp8_all_gather_axes")
@@ -76,6 +83,9 @@ class Fp8Config(eqx.Module):
         if not isinstance(fp8_all_gather, bool):
             raise TypeError(f"`fp8_all_gather` must be a bool, got {fp8_all_gather!r}.")
         self.fp8_all_gather = fp8_all_gather
+        if not isinstance(per_expert_weights, bool):
+            raise TypeError(f"`per_expert_weights` must be a bool, got {per_expert_weights!r}.")
+        self.per_expert_weights = per_expert_weights
 
     def __check_init__(self):
         if isinstance(self.min_features, bool) or not isinstance(self.min_features, int | np.integer):
@@ -112,6 +122,22 @@ class Fp8Config(eqx.Module):
         if self.fp8_all_gather and rhs_axes is not None:
             settings = dataclasses.replace(settings, fp8_all_gather_axes=tuple(rhs_axes))
         return Fp8DotGeneral.init(settings=settings, batch_shape=batch_shape)
+
+    def make_ragged_dot(
+        self, batch_shape: tuple[int, ...], num_experts: int, rhs_axes: tuple[str, ...] | None = None
+    ) -> Fp8RaggedDot:
+        """A fresh [`fp8ax.Fp8RaggedDot`][] with this config's settings, for a
+        mixture-of-experts layer of `num_experts` experts. `rhs_axes`: the names of the
+        expert weights' axes, (Experts, In, Out), which `fp8_all_gather` needs."""
+        settings = self.settings
+        if self.fp8_all_gather and rhs_axes is not None:
+            settings = dataclasses.replace(settings, fp8_all_gather_axes=tuple(rhs_axes))
+        return Fp8RaggedDot.init(
+            settings=settings,
+            batch_shape=batch_shape,
+            num_experts=num_experts,
+            per_expert_weights=self.per_expert_weights,
+        )
 
 
 def _check_targets(targets):

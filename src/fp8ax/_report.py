@@ -10,6 +10,7 @@ import haliax.nn as hnn
 import jax.tree_util as jtu
 
 from ._config import Fp8Config
+from ._ragged import Fp8MoELinear
 from ._transform import (
     Fp8Linear,
     _axis_size,
@@ -35,7 +36,6 @@ _NOT_CONVERTED: tuple[tuple[type, str], ...] = (
     (hnn.Conv, "a convolution: fp8ax converts linear layers only"),
     (hnn.ConvTranspose, "a transposed convolution: fp8ax converts linear layers only"),
     (hnn.Embedding, "a lookup, not a matmul (its `unembed`, as a tied output head, stays in high precision)"),
-    (hnn.MoELinear, "a mixture-of-experts linear layer: not converted"),
 )
 _ATTENTION = (
     "its q/k/v/output projections are linear layers (rows below); the attention-score matmuls "
@@ -157,11 +157,13 @@ def _kind(layer: Any) -> str:
             return prefix + cls.__name__
     if cls is Fp8Linear:
         return "fp8ax.Fp8Linear"
+    if cls is Fp8MoELinear:
+        return "fp8ax.Fp8MoELinear"
     return cls.__name__
 
 
 def _stacked(layer: Any) -> tuple[int, ...]:
-    if isinstance(layer, hnn.Linear):
+    if isinstance(layer, hnn.Linear | hnn.MoELinear | Fp8MoELinear):
         return _haliax_batch_shape(layer)
     return tuple(int(d) for d in layer.weight.shape[:-2])
 

@@ -32,6 +32,7 @@ from ._dot_general import Fp8DotGeneral, _check_operand, make_call
 from ._haliax_compat import require_haliax_matmul
 from ._pipeline import Call, _gemm, _quantise, vma
 from ._quantized import QuantizedArray
+from ._ragged import Fp8MoELinear, RaggedCall, moe_call, quantise_weights, ragged_gemm, ragged_out_dtype
 from ._recipes import _CORRUPT_STATE, AbstractScalingRecipe, Operand
 from ._settings import GemmSettings
 from ._transform import Fp8Linear, linear_call, path_str
@@ -339,11 +340,119 @@ class ServingHaliaxLinear(eqx.Module):
         return q
 
 
-ServingLayer = ServingLinear | ServingHaliaxLinear
+class _ServeRagged(NamedTuple):
+    """The static part of one serving grouped-GEMM call."""
+
+    call: Call
+    per_expert: bool
+    layer: str
+    tile: tuple[int, ...] | None
+    int_exponent: int
+    scale_format: np.dtype
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _serving_ragged(s: _ServeRagged, x, w_values, w_scale, x_scale, group_sizes):
+    call = s.call
+    if x_scale is not None:  # delayed scaling: the frozen activation scale
+        qx = QuantizedArray(_formats.quantize(x, x_scale, call.settings.operand_recipe("lhs").fwd_dtype), x_scale)
+    else:
+        qx, _ = _quantise(call, "lhs", x, (1,))
+    if np.dtype(w_scale.dtype) == np.dtype(np.uint8):
+        w_scale = lax.bitcast_convert_type(w_scale, s.scale_format)
+    qw = QuantizedArray(w_values, w_scale, s.tile, s.int_exponent)
+    rc = RaggedCall(call, s.per_expert)
+    return ragged_gemm(rc, "fwd", qx, x, qw, None, group_sizes, call.fwd_precision, call.out_dtype)
+
+
+def _serving_ragged_jvp(s, primals, tangents):
+    del primals, tangents
+    raise TypeError(
+        f"Layer `{s.layer}` is a serving layer (`fp8ax.to_serving`): its expert weights are stored in low "
+        "precision and it cannot be differentiated. Differentiate (train, fine-tune) the training model that "
+        "`fp8ax.to_serving` was called on instead, and convert again."
+    )
+
+
+_serving_ragged.defjvp(_serving_ragged_jvp, symbolic_zeros=True)
+
+
+class ServingRaggedDot(eqx.Module):
+    """The grouped GEMM of a serving mixture-of-experts layer ([`fp8ax.ServingMoELinear`][]):
+    the expert weights' scales (`weight_scale`: one per tensor, per expert or per block,
+    as the recipe quantised them in training) and, for delayed scaling, the activation
+    scale frozen at conversion (`input_scale`). Built by [`fp8ax.to_serving`][]."""
+
+    weight_scale: Array
+    input_scale: Array | None
+    settings: GemmSettings = eqx.field(static=True)
+    per_expert_weights: bool = eqx.field(static=True)
+    weight_dtype: np.dtype = eqx.field(static=True)
+    value_dtype: np.dtype = eqx.field(static=True)
+    tile: tuple[int, ...] | None = eqx.field(static=True)
+    int_exponent: int = eqx.field(static=True)
+    weight_scale_format: np.dtype = eqx.field(static=True)  # the scale's dtype before storage
+    layer: str = eqx.field(static=True)
+    packed_length: int | None = eqx.field(static=True, default=None)
+
+    def __call__(self, x: Array, values: Array, group_sizes: Array) -> Array:
+        """`jax.lax.ragged_dot(x, w, group_sizes)` with the stored expert weights'
+        low-precision `values` (G, K, N): what the training layer's
+        [`fp8ax.Fp8RaggedDot`][] returned for the same tokens, bit for bit."""
+        st = self.settings
+        x = _check_operand(x, "lhs")
+        w_dtype = self.weight_dtype
+        if st.compute_dtype is not None:
+            x = x.astype(st.compute_dtype)
+            w_dtype = st.compute_dtype
+        call = Call(
+            settings=st,
+            dims=(((1,), (1,)), ((), ())),
+            lhs_dtype=np.dtype(x.dtype),
+            rhs_dtype=np.dtype(w_dtype),
+            out_dtype=ragged_out_dtype(np.dtype(x.dtype), np.dtype(w_dtype), None),
+            fwd_precision=st.fwd_precision,
+            state_is_max=(),
+            lhs_vma=vma(x),
+            rhs_vma=vma(values),
+        )
+        s = _ServeRagged(
+            call, self.per_expert_weights, self.layer, self.tile, self.int_exponent, self.weight_scale_format
+        )
+        return _serving_ragged(s, x, values, self.weight_scale, self.input_scale, jnp.asarray(group_sizes))
+
+
+class ServingMoELinear(eqx.Module):
+    """The serving form of a `haliax.nn.MoELinear` trained in FP8 ([`fp8ax.Fp8MoELinear`][]):
+    `weight` holds the quantised expert weights (encoded as for
+    [`fp8ax.ServingHaliaxLinear`][]), laid out `(..., Experts, In, Out)`; the scales are in
+    `ragged`. Called like `haliax.nn.MoELinear`; returns what the training layer
+    returned, bit for bit. Built by [`fp8ax.to_serving`][]."""
+
+    weight: hax.NamedArray
+    bias: hax.NamedArray | None
+    ragged: ServingRaggedDot
+    Experts: hax.Axis = eqx.field(static=True)
+    In: hax.Axis = eqx.field(static=True)
+    Out: hax.Axis = eqx.field(static=True)
+    use_gmm: bool = eqx.field(static=True)
+
+    @jax.named_scope("fp8ax.ServingMoELinear")
+    def __call__(
+        self, inputs: hax.NamedArray, group_sizes: hax.NamedArray, *, key: PRNGKeyArray | None = None
+    ) -> hax.NamedArray:
+        """**Arguments:** as for [`fp8ax.Fp8MoELinear`][]."""
+        del key
+        rg = self.ragged
+        values = decode(self.weight.array, rg.value_dtype, rg.packed_length)
+        return moe_call(self, inputs, group_sizes, lambda x, sizes: rg(x, values, sizes))
+
+
+ServingLayer = ServingLinear | ServingHaliaxLinear | ServingMoELinear
 
 
 def _is_serving(x) -> bool:
-    return isinstance(x, ServingLinear | ServingHaliaxLinear)
+    return isinstance(x, ServingLinear | ServingHaliaxLinear | ServingMoELinear)
 
 
 # --------------------------------------------------------------------------- conversion
@@ -486,8 +595,81 @@ def _convert_haliax(layer: str, lin: hnn.Linear, check: bool) -> ServingHaliaxLi
     return ServingHaliaxLinear(hax.NamedArray(weight, axes), lin.bias, dg, lin.In, lin.Out)
 
 
+def _convert_moe(layer: str, lin: Fp8MoELinear, check: bool) -> ServingMoELinear:
+    rg = lin.ragged
+    st = rg.settings
+    if st.operand_recipe("rhs") is None or "fwd" in st.high_precision_gemms:
+        raise ValueError(
+            f"Layer `{layer}` keeps its expert weights in high precision in the forward GEMM, so it has no "
+            "low-precision weight to serve. Exclude it from the FP8 conversion (`Fp8Config(targets=...)`)."
+        )
+    if st.recipe.stateful and type(st.recipe).serving_scale is AbstractScalingRecipe.serving_scale:
+        raise ValueError(
+            f"Layer `{layer}` uses the stateful recipe {type(st.recipe).__name__}, which does not say how to freeze "
+            "its state for serving (it defines no `serving_scale`)."
+        )
+    own = [lin.Experts, lin.In, lin.Out]
+    batch = [ax for ax in lin.weight.axes if ax.name not in {a.name for a in own}]
+    if list(lin.weight.axes[: len(batch)]) != batch:
+        raise ValueError(
+            f"Layer `{layer}`: the stacked axes of its weight {lin.weight.axes} must come first (as "
+            "`haliax.nn.Stacked` puts them) for `fp8ax.to_serving`."
+        )
+    n_batch = len(batch)
+    w = lin.weight.rearrange((*batch, *own)).array
+    weight_dtype = np.dtype(w.dtype)
+    if st.compute_dtype is not None:
+        w = w.astype(st.compute_dtype)
+    delayed = st.recipe.stateful
+    if delayed and check:
+        _check_filled(layer, rg, f"the stacked axes {tuple(batch)} and experts {lin.Experts}")
+    call = Call(
+        st, (((1,), (1,)), ((), ())), weight_dtype, np.dtype(w.dtype), weight_dtype, None, (), frozenset(), frozenset()
+    )
+    rc = RaggedCall(call, rg.per_expert_weights)
+
+    def quantise(w, state):
+        return quantise_weights(rc, w, (1,), state, None)[0]
+
+    state = tuple(jax.tree.leaves(rg.rhs)) if delayed else None
+    q = eqx.filter_jit(_vmapped(quantise, n_batch))(w, state)
+    _storable(np.dtype(q.values.dtype), layer)
+    input_scale = None
+    if delayed:
+        lhs_dtype = st.operand_recipe("lhs").dtype_for("lhs")
+        frozen = lambda state: st.recipe.serving_scale(state, lhs_dtype)  # noqa: E731
+        input_scale = eqx.filter_jit(_vmapped(frozen, n_batch))(tuple(jax.tree.leaves(rg.lhs)))
+    if q.outer_scale is not None:
+        raise ValueError(
+            f"Layer `{layer}`: `fp8ax.to_serving` does not serve grouped GEMMs with two-level scales (NVFP4) yet; "
+            "exclude the layer from the FP8 conversion or train it with another recipe."
+        )
+    scale = q.scale
+    scale_format = np.dtype(scale.dtype)
+    if scale_format.itemsize == 1:
+        scale = lax.bitcast_convert_type(scale, jnp.uint8)
+    ragged = ServingRaggedDot(
+        weight_scale=scale,
+        input_scale=input_scale,
+        settings=st,
+        per_expert_weights=rg.per_expert_weights,
+        weight_dtype=weight_dtype,
+        value_dtype=np.dtype(q.values.dtype),
+        tile=q.tile,
+        int_exponent=q.int_exponent,
+        weight_scale_format=scale_format,
+        layer=layer,
+        packed_length=packed_length(q.values),
+    )
+    values = eqx.filter_jit(encode)(q.values)
+    axes = tuple(batch) + tuple(own)
+    if ragged.packed_length is not None:
+        axes = axes[:-1] + (axes[-1].resize(values.shape[-1]),)
+    return ServingMoELinear(hax.NamedArray(values, axes), lin.bias, ragged, lin.Experts, lin.In, lin.Out, lin.use_gmm)
+
+
 def _is_node(x) -> bool:
-    return isinstance(x, hnn.Linear | eqx.nn.Linear | Fp8Linear) or _is_serving(x)
+    return isinstance(x, hnn.Linear | eqx.nn.Linear | Fp8Linear | Fp8MoELinear) or _is_serving(x)
 
 
 def _convert(model, check: bool):
@@ -505,6 +687,9 @@ def _convert(model, check: bool):
         if isinstance(node, Fp8Linear):
             converted.append(layer)
             return _convert_eqx(layer, node, check)
+        if isinstance(node, Fp8MoELinear):
+            converted.append(layer)
+            return _convert_moe(layer, node, check)
         if isinstance(node, hnn.Linear) and isinstance(node.dot_general, Fp8DotGeneral):
             converted.append(layer)
             return _convert_haliax(layer, node, check)

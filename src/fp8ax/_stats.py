@@ -28,6 +28,7 @@ from ._dot_general import Fp8DotGeneral
 from ._layout import bwd_layout
 from ._maxgrad import merged_amax
 from ._quantized import QuantizedArray
+from ._ragged import Fp8RaggedDot
 from ._recipes import Operand
 from ._transform import Fp8Linear, _haliax_batch_shape, path_str
 
@@ -216,6 +217,8 @@ def _wrapped(model, layers):
         return _Capture(dg, index, i)
 
     def visit(node):
+        if isinstance(node, Fp8RaggedDot):
+            return node  # grouped GEMMs: not observed (their operands are ragged)
         if isinstance(node, Fp8DotGeneral):
             return wrap(node)
         if isinstance(node, Fp8Linear):
@@ -310,7 +313,11 @@ def scaling_stats(model: Any, fn: Callable | None = None, *args, **kwargs) -> di
         for index in np.ndindex(*dg.lhs.batch_shape):  # one entry per stacked layer
             for role, named in numbers.items():
                 for stat, values in named.items():
-                    out[f"{name}{_index_str(index)}/{role}/{stat}"] = float(np.asarray(values)[index])
+                    values = np.asarray(values)[index]
+                    # Per-expert weight state (`Fp8RaggedDot`): one entry per expert.
+                    for expert in np.ndindex(*values.shape):
+                        key = f"{name}{_index_str(index)}/{role}{_index_str(expert)}/{stat}"
+                        out[key] = float(values[expert])
     if fn is None:
         if args or kwargs:
             raise TypeError("`scaling_stats` got arguments for `fn`, but no `fn`: pass the function first.")

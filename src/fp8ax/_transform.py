@@ -15,6 +15,7 @@ from jaxtyping import Array, PRNGKeyArray
 from ._config import Fp8Config
 from ._dot_general import Fp8DotGeneral
 from ._haliax_compat import require_haliax_matmul
+from ._ragged import Fp8MoELinear
 
 T = TypeVar("T")
 
@@ -106,12 +107,14 @@ def linear_call(layer, x, weight) -> Array:
 
 
 def _is_linear(x: Any) -> bool:
-    return isinstance(x, hnn.Linear | eqx.nn.Linear | Fp8Linear)
+    return isinstance(x, hnn.Linear | eqx.nn.Linear | Fp8Linear | hnn.MoELinear | Fp8MoELinear)
 
 
 def _is_fp8(layer: Any) -> bool:
-    if isinstance(layer, Fp8Linear):
+    if isinstance(layer, Fp8Linear | Fp8MoELinear):
         return True
+    if isinstance(layer, hnn.MoELinear):
+        return False
     return isinstance(layer, hnn.Linear) and not isinstance(layer.dot_general, haxq.DefaultDotGeneralOp)
 
 
@@ -128,7 +131,7 @@ def _axis_names(spec) -> set[str]:
 
 
 def _features(layer) -> tuple[int, int]:
-    if isinstance(layer, hnn.Linear):
+    if isinstance(layer, hnn.Linear | hnn.MoELinear | Fp8MoELinear):
         return _axis_size(layer.In), _axis_size(layer.Out)
     fin = 1 if layer.in_features == "scalar" else layer.in_features
     fout = 1 if layer.out_features == "scalar" else layer.out_features
@@ -136,9 +139,12 @@ def _features(layer) -> tuple[int, int]:
 
 
 def _haliax_batch_shape(layer: hnn.Linear) -> tuple[int, ...]:
-    # Axes of the weight that are neither In nor Out: the Block axes added by
-    # `haliax.nn.Stacked` (or an ensemble axis): one FP8 state per stacked layer.
+    # Axes of the weight that are neither In nor Out (nor a mixture of experts' Experts):
+    # the Block axes added by `haliax.nn.Stacked` (or an ensemble axis): one FP8 state per
+    # stacked layer.
     own = _axis_names(layer.In) | _axis_names(layer.Out)
+    if isinstance(layer, hnn.MoELinear | Fp8MoELinear):
+        own |= _axis_names(layer.Experts)
     return tuple(ax.size for ax in layer.weight.axes if ax.name not in own)
 
 
@@ -173,7 +179,7 @@ def decide(path: str, layer: Any, config: Fp8Config) -> Decision:
     [`fp8ax.fp8_linear_layers`][] and [`fp8ax.conversion_report`][] both ask it."""
     selected = config.matches(path, layer)
     if _is_fp8(layer):
-        if isinstance(layer, Fp8Linear) or isinstance(layer.dot_general, Fp8DotGeneral):
+        if isinstance(layer, Fp8Linear | Fp8MoELinear) or isinstance(layer.dot_general, Fp8DotGeneral):
             reason = "already FP8 (fp8ax); its state is kept"
         else:
             reason = f"has its own dot_general ({type(layer.dot_general).__name__}); left as it is"
@@ -192,6 +198,9 @@ def decide(path: str, layer: Any, config: Fp8Config) -> Decision:
 def _converted(node, config: Fp8Config):
     if isinstance(node, eqx.nn.Linear):
         return Fp8Linear.from_linear(node, config)
+    if isinstance(node, hnn.MoELinear):
+        names = tuple(getattr(node, a).name for a in ("Experts", "In", "Out") if isinstance(getattr(node, a), hax.Axis))
+        return Fp8MoELinear.from_moe_linear(node, lambda bs, g: config.make_ragged_dot(bs, g, names))
     own = _axis_names(node.In) | _axis_names(node.Out)
     rhs_axes = tuple(ax.name for ax in node.weight.axes if ax.name in own)
     return dataclasses.replace(node, dot_general=config.make_dot_general(_haliax_batch_shape(node), rhs_axes))
@@ -326,8 +335,12 @@ def strip_fp8(module: T) -> T:
     def strip(node):
         if isinstance(node, Fp8Linear):
             return node.to_linear()
+        if isinstance(node, Fp8MoELinear):
+            return node.to_moe_linear()
         if _has_fp8_dot_general(node):
             return dataclasses.replace(node, dot_general=haxq.DotGeneralOp.default())
         return node
 
-    return jtu.tree_map(strip, module, is_leaf=lambda x: isinstance(x, Fp8Linear) or _has_fp8_dot_general(x))
+    return jtu.tree_map(
+        strip, module, is_leaf=lambda x: isinstance(x, Fp8Linear | Fp8MoELinear) or _has_fp8_dot_general(x)
+    )

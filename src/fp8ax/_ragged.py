@@ -1,0 +1,574 @@
+# Grouped GEMMs (mixture-of-experts) on quantised operands: `jax.lax.ragged_dot` with
+# fp8ax's pipeline semantics.
+#
+# A grouped GEMM multiplies consecutive groups of rows of `lhs` (M, K), the tokens routed
+# to each expert, by that expert's weight `rhs[g]` (K, N). Its three GEMMs are ragged
+# dots: the forward (M, K) x (G, K, N) -> (M, N); the input gradient, the output gradient
+# (M, N) against the transposed expert weights -> (M, K); and the weight gradient, which
+# contracts the tokens of each group: (M, K) x (M, N) -> (G, K, N).
+#
+# Each operand is quantised by the layer's recipe, along the axes its GEMM contracts, as
+# in `_pipeline.py` (the same `quantize_operands`, plans, state and max-merged state
+# cotangents), so every recipe works here. The expert weights are quantised either as one
+# tensor, or per expert (`per_expert_weights`: each expert's weight is a tensor of its
+# own, with a state of its own, by `vmap` of the recipe over the experts). Where both
+# operands' scales are constant along the contraction (tensor, per-expert and row scales),
+# the ragged dot runs on the low-precision values with float32 accumulation and the
+# result is multiplied by the scales, gathered per row for the group-dependent ones;
+# otherwise (MX and other block scales, `"qdq"` mode) the operands are dequantised and
+# the ragged dot runs in float32.
+import functools
+from typing import NamedTuple, Unpack
+
+import equinox as eqx
+import haliax as hax
+import haliax.nn as hnn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.custom_batching import custom_vmap
+from jaxtyping import Array, ArrayLike, PRNGKeyArray
+
+from ._boundaries import check_eager_shard_map, vma
+from ._current import content_key
+from ._dot_general import Fp8DotGeneral, _check_operand
+from ._maxgrad import is_max, raw_to_max
+from ._pipeline import (
+    Call,
+    _checked_result,
+    _grad_once,
+    _is_fp8,
+    _lay_out_by_axis_mapping,
+    _operand_for,
+    _plainly_scaled,
+    _plans,
+    _quantise,
+    _quantise_together,
+    _reusable,
+    _states,
+    _stochastic,
+    reduce_to,
+)
+from ._quantized import QuantizedArray
+from ._recipes import AbstractScalingRecipe
+from ._settings import GemmKeywords, GemmSettings, Mode, settings_from
+
+# The three ragged dots, as `jax.lax.RaggedDotDimensionNumbers`.
+_RAGGED_DIMS = {
+    # (M, K) x (G, K, N) -> (M, N): rows ragged, one weight per group.
+    "fwd": lax.RaggedDotDimensionNumbers((((1,), (1,)), ((), ())), (0,), (0,)),
+    # (M, N) x (G, K, N) -> (M, K): the output gradient against the transposed weights.
+    "dlhs": lax.RaggedDotDimensionNumbers((((1,), (2,)), ((), ())), (0,), (0,)),
+    # (M, K) x (M, N) -> (G, K, N): the tokens of each group contracted.
+    "drhs": lax.RaggedDotDimensionNumbers((((0,), (0,)), ((), ())), (0,), ()),
+}
+# The axes each GEMM contracts, per operand: (first operand's, second operand's).
+_CONTRACTED = {"fwd": ((1,), (1,)), "dlhs": ((1,), (2,)), "drhs": ((0,), (0,))}
+
+
+class RaggedCall(NamedTuple):
+    """The static part of one grouped-GEMM call."""
+
+    call: Call  # settings, out dtype, precision, state layout, as for a dense call
+    per_expert: bool  # the weights are quantised per expert, with per-expert state
+
+
+def _group_ids(group_sizes, rows: int) -> Array:
+    """The group of each of `rows` rows (rows past the last group: the last group; their
+    output rows are zero anyway)."""
+    ends = jnp.cumsum(group_sizes)
+    ids = jnp.searchsorted(ends, jnp.arange(rows, dtype=ends.dtype), side="right")
+    return jnp.minimum(ids, group_sizes.shape[0] - 1)
+
+
+def _factored(q: QuantizedArray, contracted) -> bool:
+    """Whether `q`'s scale factors out of a GEMM contracting `contracted`."""
+    return q.outer_scale is None and _plainly_scaled(q) and q.constant_along(contracted)
+
+
+def _f32(x):
+    return lax.convert_element_type(x, np.float32)
+
+
+def _output_scale(kind: str, sa, sb, ids) -> Array:
+    """The product of the two operands' (factored) scales, laid out like the output of
+    ragged dot `kind`; `ids` are the rows' groups."""
+    sa, sb = _f32(sa), _f32(sb)
+    if kind == "fwd":  # sa: () or (M, 1); sb: () or (G, 1, N|1) -> (M, N|1)
+        sb = sb if sb.ndim == 0 else sb[:, 0, :][ids]
+        return sa * sb
+    if kind == "dlhs":  # sa (grad): () or (M, 1); sb (weights): () or (G, K|1, 1) -> (M, K|1)
+        sb = sb if sb.ndim == 0 else sb[:, :, 0][ids]
+        return sa * sb
+    # drhs: sa (lhs): () or (1, K|1); sb (grad): () or (1, N|1) -> (1, K|1, N|1)
+    sa = sa if sa.ndim == 0 else sa[:, :, None]
+    sb = sb if sb.ndim == 0 else sb[:, None, :]
+    return sa * sb
+
+
+def ragged_gemm(rc: RaggedCall, kind: str, qa, a, qb, b, group_sizes, precision, out_dtype):
+    """Ragged dot `kind` of two operands from their quantised forms (`None`: use the
+    high-precision operand), in `out_dtype`."""
+    st = rc.call.settings
+    ca, cb = _CONTRACTED[kind]
+    if st.mode == "direct" and qa is not None and qb is not None and _factored(qa, ca) and _factored(qb, cb):
+        va, vb = qa.values, qb.values
+        ints = np.dtype(va.dtype) == np.dtype(vb.dtype) == np.dtype(np.int8)
+        if ints or (_is_fp8(va.dtype) and _is_fp8(vb.dtype)):
+            # The kernel's computation: low-precision values, wide accumulation, then the
+            # scales (per row for the group-dependent ones).
+            acc = _batchable_ragged(kind, precision, np.dtype(np.int32 if ints else np.float32))(va, vb, group_sizes)
+            ids = _group_ids(group_sizes, a.shape[0]) if kind != "drhs" else None
+            scale = _output_scale(kind, qa.expanded_scale(), qb.expanded_scale(), ids)
+            return (_f32(acc) * scale).astype(out_dtype)
+    # Dequantise, then a float32 ragged dot: block scales, `"qdq"` mode, an operand kept
+    # in high precision. The dequantisation of FP8/FP4 values and their scales is exact
+    # in float32 (a two-level NVFP4 scale rounds once).
+    da = qa.dequantize(jnp.float32) if qa is not None else _f32(a)
+    db = qb.dequantize(jnp.float32) if qb is not None else _f32(b)
+    out = _batchable_ragged(kind, precision, np.dtype(np.float32))(da, db, group_sizes)
+    return out.astype(out_dtype)
+
+
+@functools.cache
+def _batchable_ragged(kind: str, precision, preferred: np.dtype):
+    """`jax.lax.ragged_dot_general` for ragged dot `kind`, with a `vmap` rule: JAX has no
+    batching rule for a ragged dot mapped over anything but its first axis (jax 0.10:
+    "ragged_dot vmap over any dim but 0 - NYI"), so under `vmap` (a layer called per
+    example, or on the halves of a batch) the mapped calls run one after another
+    (`lax.map`), each a ragged dot of its own."""
+    dims = _RAGGED_DIMS[kind]
+
+    @custom_vmap
+    def ragged(a, b, group_sizes):
+        return lax.ragged_dot_general(a, b, group_sizes, dims, precision, preferred_element_type=preferred)
+
+    @ragged.def_vmap
+    def rule(axis_size, in_batched, a, b, group_sizes):
+        batched = [x if m else None for x, m in zip((a, b, group_sizes), in_batched)]
+
+        def one(xs):
+            args = [x if m else full for x, m, full in zip(xs, in_batched, (a, b, group_sizes))]
+            return ragged(*args)
+
+        return lax.map(one, batched), True
+
+    return ragged
+
+
+def quantise_weights(rc: RaggedCall, w, axes, state, plan, group_sizes=None):
+    """The expert weights quantised along `axes` (of the (G, K, N) weights), and their
+    new state: as one tensor, or per expert (each expert's weight a tensor of its own,
+    with its own entry of the state). Per expert, an expert with no tokens (its
+    `group_sizes` entry 0) observes nothing: its amax goes into its state as 0, "no
+    observation", as for an unused layer, so the step keeps its state."""
+    if not rc.per_expert:
+        return _quantise(rc.call, "rhs", w, axes, state, plan=plan)
+    call = rc.call
+    recipe = call.settings.operand_recipe("rhs")
+    inner = tuple(a - 1 for a in axes)
+
+    def one(wg, sg, used):
+        op = _operand_for(call, "rhs", wg, inner, sg)
+        if used is not None:
+            merge = op.merge
+            op = op._replace(merge=lambda v: jax.tree.map(lambda a: jnp.where(used, a, jnp.zeros_like(a)), merge(v)))
+        q, new = _checked_result(recipe, op, recipe.quantize_operands([op])[0])
+        return (q.values, q.scale, q.outer_scale), new
+
+    used = None if group_sizes is None or state is None else lax.gt(group_sizes, jnp.zeros_like(group_sizes))
+    # The static layout of one expert's result, for the stacked one.
+    proto = jax.eval_shape(lambda: one(w[0], _slice0(state), None))[0]
+    if proto[2] is not None:
+        raise ValueError(
+            "`per_expert_weights=True` needs a recipe with one level of scales, but this recipe gives the weights a "
+            "per-tensor outer scale (NVFP4). Use `per_expert_weights=False`."
+        )
+    layout = jax.eval_shape(lambda: _quantise(call, "rhs", w[0], inner, _slice0(state))[0])
+    (values, scale, _), new = jax.vmap(one)(w, state, used)
+    if scale.ndim == 1:  # one scale per expert: keep the weights' rank
+        scale = scale.reshape((w.shape[0],) + (1,) * (w.ndim - 1))
+    tile = None if layout.tile is None else (1,) + tuple(layout.tile)
+    return QuantizedArray(values, scale, tile, layout.int_exponent), new
+
+
+def _slice0(state):
+    return None if state is None else tuple(s[0] for s in state)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def ragged_quantized_dot(rc: RaggedCall, lhs, rhs, group_sizes, *state) -> Array:
+    """`jax.lax.ragged_dot(lhs, rhs, group_sizes)` on quantised operands; `state` as for
+    `_pipeline.quantized_dot` (the rhs state with a leading expert axis if `rc.per_expert`).
+    The VJP returns the new state as the state's cotangent."""
+    return _fwd(rc, lhs, rhs, group_sizes, *state)[0]
+
+
+def _fwd(rc: RaggedCall, lhs, rhs, group_sizes, *raw):
+    call = rc.call
+    st = call.settings
+    states = _states(raw)
+    # Per-expert weights plan their own scales (under `vmap`, in `quantise_weights`).
+    plan_states = dict(states, rhs=None) if rc.per_expert else states
+    plans, _ = _plans(call, plan_states)
+    ql = qr = new_l = new_r = None
+    if "fwd" not in st.high_precision_gemms:
+        if rc.per_expert:
+            ql, new_l = _quantise(call, "lhs", lhs, (1,), states["lhs"], plan=plans["lhs"])
+            qr, new_r = quantise_weights(rc, rhs, (1,), states["rhs"], None, group_sizes)
+        else:
+            (ql, new_l), (qr, new_r) = _quantise_together(
+                call,
+                [
+                    ("lhs", lhs, (1,), states["lhs"], None, plans["lhs"]),
+                    ("rhs", rhs, (1,), states["rhs"], None, plans["rhs"]),
+                ],
+            )
+        if qr is not None and states["rhs"] is not None and st.fp8_all_gather_axes is not None:
+            qr = qr.with_values(_lay_out_by_axis_mapping(qr.values, st.fp8_all_gather_axes))
+    out = ragged_gemm(rc, "fwd", ql, lhs, qr, rhs, group_sizes, call.fwd_precision, call.out_dtype)
+    res_l = ql if _reusable(call, "lhs", ql) and "drhs" not in st.high_precision_gemms else lhs
+    res_r = qr if _reusable(call, "rhs", qr) and "dlhs" not in st.high_precision_gemms else rhs
+    return out, (res_l, res_r, group_sizes, new_l, new_r, states["grad"], plans["grad"])
+
+
+def _operand(rc: RaggedCall, role: str, res, axes, key=None):
+    """A backward GEMM's operand: the forward's quantised copy, or quantised along `axes`."""
+    if isinstance(res, QuantizedArray):
+        return res, None
+    if role == "rhs":
+        return quantise_weights(rc, res, axes, None, None)[0], res
+    return _quantise(rc.call, role, res, axes, key=key)[0], res
+
+
+def _backward_precision(precision, qa, qb):
+    # As `_pipeline._gemm_fn`: full-precision accumulation for two FP8 operands.
+    if precision in (None, lax.Precision.DEFAULT) and qa is not None and qb is not None:
+        if _is_fp8(qa.values.dtype) and _is_fp8(qb.values.dtype):
+            return lax.Precision.HIGHEST
+    return precision
+
+
+def _bwd(rc: RaggedCall, residuals, g):
+    call = rc.call
+    st = call.settings
+    res_l, res_r, group_sizes, new_l, new_r, g_state, g_plan = residuals
+    hp = st.high_precision_gemms
+    lhs_shape = res_l.values.shape if isinstance(res_l, QuantizedArray) else res_l.shape
+    rhs_shape = res_r.values.shape if isinstance(res_r, QuantizedArray) else res_r.shape
+    grad_recipe = st.operand_recipe("grad")
+    stochastic = _stochastic(grad_recipe)
+    keys = jax.random.split(content_key(grad_recipe.seed, g)) if stochastic else (None, None)
+    shared_g, new_g = None, None
+    if _grad_once(call):
+        shared_g, new_g = _quantise(call, "grad", g, (1,), g_state, plan=g_plan)
+
+    # d lhs = g . rhs^T per group: contracts the output features.
+    if "dlhs" in hp:
+        qg1 = qr1 = None
+        r1 = res_r.dequantize(jnp.float32) if isinstance(res_r, QuantizedArray) else res_r
+    else:
+        qg1 = shared_g if shared_g is not None else _quantise(call, "grad", g, (1,), key=keys[0])[0]
+        qr1, r1 = _operand(rc, "rhs", res_r, (2,))
+    dlhs = ragged_gemm(
+        rc,
+        "dlhs",
+        qg1,
+        g,
+        qr1,
+        r1,
+        group_sizes,
+        _backward_precision(st.dlhs_precision, qg1, qr1),
+        call.lhs_dtype,
+    )
+
+    # d rhs = lhs^T . g per group: contracts the tokens of each group.
+    if "drhs" in hp:
+        ql2 = qg2 = None
+        l2 = res_l.dequantize(jnp.float32) if isinstance(res_l, QuantizedArray) else res_l
+    else:
+        ql2, l2 = _operand(rc, "lhs", res_l, (0,))
+        qg2 = shared_g if shared_g is not None else _quantise(call, "grad", g, (0,), key=keys[1])[0]
+    drhs = ragged_gemm(
+        rc,
+        "drhs",
+        ql2,
+        l2,
+        qg2,
+        g,
+        group_sizes,
+        _backward_precision(st.drhs_precision, ql2, qg2),
+        call.rhs_dtype,
+    )
+    assert dlhs.shape == lhs_shape and drhs.shape == rhs_shape, (dlhs.shape, lhs_shape, drhs.shape, rhs_shape)
+    dlhs = reduce_to(dlhs, call.lhs_vma, lax.psum)
+    drhs = reduce_to(drhs, call.rhs_vma, lax.psum)
+    if not call.state_is_max:
+        return dlhs, drhs, None
+    new = [v for pair in (new_l, new_r, new_g) for v in pair]
+    cts = tuple(
+        raw_to_max(v.astype(jnp.float32)) if m else v.astype(jnp.float32) for v, m in zip(new, call.state_is_max)
+    )
+    return (dlhs, drhs, None, *cts)
+
+
+ragged_quantized_dot.defvjp(_fwd, _bwd)
+
+
+@functools.lru_cache(maxsize=256)
+def ragged_out_dtype(lhs_dtype, rhs_dtype, preferred) -> np.dtype:
+    out = jax.eval_shape(
+        functools.partial(lax.ragged_dot, preferred_element_type=preferred),
+        jax.ShapeDtypeStruct((2, 2), lhs_dtype),
+        jax.ShapeDtypeStruct((1, 2, 2), rhs_dtype),
+        jax.ShapeDtypeStruct((1,), np.int32),
+    )
+    return np.dtype(out.dtype)
+
+
+class Fp8RaggedDot(Fp8DotGeneral):
+    """Low-precision drop-in for `jax.lax.ragged_dot`: the grouped GEMM of a
+    mixture-of-experts layer, in FP8 (or MX, NVFP4, int8), with its three GEMMs (forward,
+    input gradient, weight gradient) as ragged dots on quantised operands.
+
+    `fp8ax.fp8_linear_layers` puts one in every `haliax.nn.MoELinear` it converts (see
+    [`fp8ax.Fp8MoELinear`][]); Equinox code calls it directly, as it would call
+    `jax.lax.ragged_dot`.
+
+    It is an [`fp8ax.Fp8DotGeneral`][] in everything but the call: the same settings, the
+    same state (`lhs`, `rhs`, `grad`) written by the same custom-VJP "gradient", so
+    [`fp8ax.partition_for_grad_overwrite`][], [`fp8ax.apply_updates`][],
+    [`fp8ax.calibrate`][] and [`fp8ax.scaling_stats`][] work unchanged, and several uses
+    of one layer merge their state by `max`. With `per_expert_weights` (the default of
+    [`fp8ax.Fp8RaggedDot.init`][] when given `num_experts`), each expert's weight is
+    quantised as a tensor of its own: the `rhs` state has one entry per expert (a leading
+    `Experts` dimension), and an expert that no token reaches in a call records nothing
+    and keeps its state.
+
+    The tokens (`lhs`) and the output gradient are scaled as one tensor each (or per
+    row, for row-wise recipes). MX, blockwise and NVFP4 blocks along the tokens (the
+    weight gradient's contraction) may span two groups; the emulation is exact for any
+    block layout. `EmulatedAccumulation`, `block_scaled_gemm=True` and NVFP4's Hadamard
+    rotation of the weight gradient (which mixes the tokens of neighbouring groups) are not
+    used for grouped GEMMs: the first two are refused, the rotation is skipped.
+    """
+
+    per_expert_weights: bool = eqx.field(static=True)
+
+    def __init__(self, lhs, rhs, grad, settings: GemmSettings | None = None, per_expert_weights=False, **changes):
+        """Builds the module from its state and settings; most code wants
+        [`fp8ax.Fp8RaggedDot.init`][] instead."""
+        super().__init__(lhs, rhs, grad, settings, **changes)
+        if not isinstance(per_expert_weights, bool):
+            raise TypeError(f"`per_expert_weights` must be a bool, got {per_expert_weights!r}.")
+        self.per_expert_weights = per_expert_weights
+
+    def __check_init__(self):
+        super().__check_init__()
+        st = self.settings
+        if st.accumulation is not None:
+            raise ValueError(
+                "`accumulation` (an `fp8ax.EmulatedAccumulation`) is not supported for grouped GEMMs "
+                "(`Fp8RaggedDot`): leave it None."
+            )
+        if st.block_scaled_gemm is True:
+            raise ValueError(
+                "`block_scaled_gemm=True` is not supported for grouped GEMMs (`Fp8RaggedDot`): "
+                "`jax.nn.scaled_matmul` has no grouped form. Leave it None or False."
+            )
+
+    @classmethod
+    def init(
+        cls,
+        recipe: AbstractScalingRecipe | None = None,
+        *,
+        num_experts: int | None = None,
+        per_expert_weights: bool | None = None,
+        settings: GemmSettings | None = None,
+        batch_shape: tuple[int, ...] = (),
+        mode: Mode = "direct",
+        **gemm: Unpack[GemmKeywords],
+    ) -> "Fp8RaggedDot":
+        """Builds an `Fp8RaggedDot` with fresh state (scale 1, empty history).
+
+        **Arguments:**
+
+        - `recipe`: the scaling recipe; default [`fp8ax.DelayedScaling`][]`()`.
+        - `num_experts`: the number of groups (experts). Needed for per-expert weight
+          scales with a stateful recipe (the state has one entry per expert). (Keyword
+          only argument.)
+        - `per_expert_weights`: quantise each expert's weight as a tensor of its own;
+          default: True when `num_experts` is given, else False. (Keyword only
+          argument.)
+        - `settings`, `batch_shape`, `mode`, and the GEMM keyword arguments: as for
+          [`fp8ax.Fp8DotGeneral.init`][]. (Keyword only arguments.)
+        """
+        settings = settings_from("Fp8RaggedDot.init", recipe, mode, settings, gemm)
+        if per_expert_weights is None:
+            per_expert_weights = num_experts is not None
+        if num_experts is not None and (isinstance(num_experts, bool) or not isinstance(num_experts, int | np.integer)):
+            raise TypeError(f"`num_experts` must be None or an int >= 1, got {num_experts!r}.")
+        if num_experts is not None and num_experts < 1:
+            raise ValueError(f"`num_experts` must be >= 1, got {num_experts}.")
+        batch_shape = tuple(int(b) for b in batch_shape)
+        recipe = settings.recipe
+        lhs = recipe.init_state(batch_shape)
+        grad = recipe.init_state(batch_shape)
+        if per_expert_weights and lhs is not None:
+            if num_experts is None:
+                raise ValueError(
+                    "`per_expert_weights=True` with a stateful recipe needs `num_experts` (one weight state per expert)."
+                )
+            rhs = recipe.init_state(batch_shape + (int(num_experts),))
+        else:
+            rhs = recipe.init_state(batch_shape)
+        return cls(lhs, rhs, grad, settings, per_expert_weights=bool(per_expert_weights))
+
+    @jax.named_scope("fp8ax.Fp8RaggedDot")
+    def __call__(
+        self,
+        lhs: ArrayLike,
+        rhs: ArrayLike,
+        group_sizes: ArrayLike,
+        precision=None,
+        preferred_element_type=None,
+        group_offset=None,
+    ) -> Array:
+        """`jax.lax.ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type)`
+        computed on quantised operands.
+
+        **Arguments:**
+
+        - `lhs`: the tokens, (M, K), grouped: the first `group_sizes[0]` rows go to
+          expert 0, the next `group_sizes[1]` to expert 1, and so on.
+        - `rhs`: the expert weights, (G, K, N).
+        - `group_sizes`: (G,) integers, summing to at most M (rows past the sum give
+          zeros).
+        - `precision`: used for the forward GEMM unless `fwd_precision` was set.
+        - `preferred_element_type`: the output dtype, as for `jax.lax.ragged_dot`.
+        - `group_offset`: not supported (must be None).
+
+        **Returns:**
+
+        An (M, N) array of the dtype `jax.lax.ragged_dot` gives.
+        """
+        if group_offset is not None:
+            raise NotImplementedError("`group_offset` is not supported by `Fp8RaggedDot`; pass None.")
+        st = self.settings
+        lhs = _check_operand(lhs, "lhs")
+        rhs = _check_operand(rhs, "rhs")
+        if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
+            raise ValueError(
+                "`Fp8RaggedDot` takes `lhs` of shape (M, K) and `rhs` of shape (G, K, N), got "
+                f"{tuple(lhs.shape)} and {tuple(rhs.shape)}."
+            )
+        group_sizes = jnp.asarray(group_sizes)
+        if group_sizes.shape != (rhs.shape[0],) or not jnp.issubdtype(group_sizes.dtype, jnp.integer):
+            raise ValueError(
+                f"`group_sizes` must be an integer array of shape ({rhs.shape[0]},) (one size per expert), got "
+                f"{group_sizes.dtype} of shape {tuple(group_sizes.shape)}."
+            )
+        if self.per_expert_weights and self.rhs is not None:
+            experts = self.rhs.batch_shape[-1] if self.rhs.batch_shape else None
+            if experts != rhs.shape[0]:
+                raise ValueError(
+                    f"This layer's per-expert weight state is for {experts} experts, but `rhs` has {rhs.shape[0]}."
+                )
+        if st.compute_dtype is not None:
+            lhs = lhs.astype(st.compute_dtype)
+            rhs = rhs.astype(st.compute_dtype)
+        raw = self._raw_state()
+        state_is_max = tuple(is_max(v) for v in raw)
+        if any(state_is_max):
+            check_eager_shard_map()
+        if preferred_element_type is not None:
+            preferred_element_type = np.dtype(preferred_element_type)
+            if not jnp.issubdtype(preferred_element_type, jnp.floating):
+                raise TypeError(
+                    "`preferred_element_type` must be None or a floating dtype for an FP8 ragged dot, got "
+                    f"{preferred_element_type}."
+                )
+        call = Call(
+            settings=st,
+            dims=((((1,), (1,)), ((), ()))),
+            lhs_dtype=np.dtype(lhs.dtype),
+            rhs_dtype=np.dtype(rhs.dtype),
+            out_dtype=ragged_out_dtype(np.dtype(lhs.dtype), np.dtype(rhs.dtype), preferred_element_type),
+            fwd_precision=st.fwd_precision if st.fwd_precision is not None else precision,
+            state_is_max=state_is_max,
+            lhs_vma=vma(lhs),
+            rhs_vma=vma(rhs),
+        )
+        rc = RaggedCall(call, self.per_expert_weights)
+        return ragged_quantized_dot(rc, lhs, rhs, group_sizes, *raw)
+
+
+class Fp8MoELinear(eqx.Module):
+    """A `haliax.nn.MoELinear` whose grouped GEMM is an [`fp8ax.Fp8RaggedDot`][]: what
+    [`fp8ax.fp8_linear_layers`][] makes of one. Same fields (`weight`, `bias`,
+    `Experts`, `In`, `Out`, `use_gmm`) and call (`layer(inputs, group_sizes)`), plus
+    `ragged`, the FP8 op with its state.
+
+    Both `use_gmm` settings run the same op: XLA's ragged dot on the quantised operands.
+    (`use_gmm=True` selects Haliax's Pallas grouped-matmul kernel, which takes no FP8
+    scales; the setting is kept so that [`fp8ax.strip_fp8`][] gives the layer back as it
+    was.)
+    """
+
+    weight: hax.NamedArray
+    bias: hax.NamedArray | None
+    ragged: Fp8RaggedDot
+    Experts: hax.Axis = eqx.field(static=True)
+    In: hax.Axis = eqx.field(static=True)
+    Out: hax.Axis = eqx.field(static=True)
+    use_gmm: bool = eqx.field(static=True)
+
+    @classmethod
+    def from_moe_linear(cls, layer: hnn.MoELinear, make_ragged) -> "Fp8MoELinear":
+        """`layer` with an FP8 grouped GEMM; `make_ragged(batch_shape, num_experts)`
+        builds the [`fp8ax.Fp8RaggedDot`][]."""
+        for name in ("Experts", "In", "Out"):
+            if not isinstance(getattr(layer, name), hax.Axis):
+                raise TypeError(
+                    f"fp8ax converts `haliax.nn.MoELinear` layers whose `{name}` is one axis, got "
+                    f"{getattr(layer, name)!r}."
+                )
+        own = {layer.Experts.name, layer.In.name, layer.Out.name}
+        batch_shape = tuple(ax.size for ax in layer.weight.axes if ax.name not in own)
+        ragged = make_ragged(batch_shape, layer.Experts.size)
+        return cls(layer.weight, layer.bias, ragged, layer.Experts, layer.In, layer.Out, layer.use_gmm)
+
+    def to_moe_linear(self) -> hnn.MoELinear:
+        """The plain `haliax.nn.MoELinear` with the same weights (the FP8 state dropped)."""
+        return hnn.MoELinear(self.weight, self.bias, self.Experts, self.In, self.Out, use_gmm=self.use_gmm)
+
+    @jax.named_scope("fp8ax.Fp8MoELinear")
+    def __call__(
+        self, inputs: hax.NamedArray, group_sizes: hax.NamedArray, *, key: PRNGKeyArray | None = None
+    ) -> hax.NamedArray:
+        """**Arguments:**
+
+        - `inputs`: (..., In), the tokens grouped by expert along their other axes
+          (flattened in order).
+        - `group_sizes`: (Experts,), the number of tokens for each expert.
+        - `key`: not used.
+        """
+        del key
+        w = self.weight.rearrange((self.Experts, self.In, self.Out)).array
+        return moe_call(self, inputs, group_sizes, lambda x, sizes: self.ragged(x, w, sizes))
+
+
+def moe_call(layer, inputs: hax.NamedArray, group_sizes: hax.NamedArray, grouped) -> hax.NamedArray:
+    """`haliax.nn.MoELinear`'s call with its grouped GEMM replaced by `grouped(x, sizes)`
+    on the tokens flattened to (M, In) and the (Experts,) group sizes."""
+    x = inputs.rearrange((..., layer.In))
+    lead = x.axes[:-1]
+    rows = int(np.prod([ax.size for ax in lead], dtype=np.int64))
+    sizes = group_sizes.rearrange((..., layer.Experts)).array
+    out = grouped(x.array.reshape(rows, layer.In.size), sizes)
+    q = hax.named(out.reshape(tuple(ax.size for ax in lead) + (layer.Out.size,)), lead + (layer.Out,))
+    q = q.rearrange(hax.replace_axis(inputs.axes, layer.In, layer.Out))
+    if layer.bias is not None:
+        q = q + layer.bias
+    return hax.auto_sharded(q)
