@@ -40,6 +40,7 @@ def test_there_are_examples():
         "equinox_mlp.py",
         "named_axis_dot.py",
         "haliax_transformer_lm.py",
+        "moe_transformer_lm.py",
     }
 
 
