@@ -297,13 +297,16 @@ def test_errors():
 SERVED = [n for n in REGISTRY if not n.startswith("nvfp4")]
 
 
-@pytest.mark.parametrize("name", SERVED)
-def test_serving_is_bit_exact(name, getkey):
+SERVED_CASES = [(n, False) for n in SERVED] + [(n, True) for n in PER_EXPERT]
+
+
+@pytest.mark.parametrize("name,per_group", SERVED_CASES, ids=[f"{n}{'-per-group' * g}" for n, g in SERVED_CASES])
+def test_serving_is_bit_exact(name, per_group, getkey):
     """`to_serving` of a trained MoE model: the expert weights stored quantised (1 byte per
     value, or 2 FP4 values per byte), the output equal to the training model's bit for
     bit; `serving_template` has its structure; it cannot be differentiated."""
     recipe = REGISTRY[name].recipe
-    config = fp8ax.Fp8Config(recipe=recipe)
+    config = fp8ax.Fp8Config(recipe=recipe, per_group_tokens=per_group)
     model = _moe(getkey())
     fp8 = fp8ax.fp8_linear_layers(model, config)
     x = hax.random.normal(getkey(), (Tok, Embed))
@@ -335,3 +338,46 @@ def test_serving_needs_every_expert_observed(getkey):
     trained = eqx.filter_jit(lambda m: _step(m, lambda m: hax.sum(m(x, sizes)).scalar()))(fp8)
     with pytest.raises(ValueError, match=r"Layer `up` \(stacked entries \[\(1,\)\].*empty weight amax history"):
         fp8ax.to_serving(trained)
+
+
+@pytest.mark.parametrize("name", PER_EXPERT)
+def test_per_group_tokens_match_reference(name, getkey):
+    """Per-group token scales: the tokens (and output gradients) of each group quantised
+    as a tensor of their own, the weights per expert."""
+    entry = REGISTRY[name]
+    recipe, ref = entry.recipe, entry.reference
+    s = GROUPS["uneven"]
+    x, w, g = _wide(getkey(), (M, K)), _wide(getkey(), (G, K, N)), _wide(getkey(), (M, N))
+    x = x * jnp.repeat(jnp.array([1.0, 1.0, 1e-3, 30.0]), jnp.array(s), total_repeat_length=M)[:, None]
+    op = fp8ax.Fp8RaggedDot.init(recipe, num_experts=G, per_group_tokens=True)
+    out, dx, dw = _gemms(op, x, w, jnp.array(s, jnp.int32), g)
+    xn, wn, gn = (np.asarray(a, np.float32) for a in (x, w, g))
+    ends = np.cumsum(s)
+
+    def per_group(a, role):
+        out = np.zeros(a.shape)
+        for start, end in zip(ends - np.array(s), ends):
+            if end > start:
+                out[start:end] = ref(a[start:end], (1,), role)
+        return out
+
+    per_expert = np.stack([ref(wn[e], (0,), "rhs") for e in range(G)])
+    per_expert_t = np.stack([ref(wn[e], (1,), "rhs") for e in range(G)])
+    _close(out, _grouped(per_group(xn, "lhs"), per_expert, s, "fwd"), (name, "fwd"))
+    if not recipe.stochastic("grad"):
+        _close(dx, _grouped(per_group(gn, "grad"), per_expert_t, s, "dlhs"), (name, "dlhs"))
+        _close(dw, _grouped(per_group(xn, "lhs"), per_group(gn, "grad"), s, "drhs"), (name, "drhs"))
+    if recipe.stateful:
+        assert op.lhs.batch_shape == op.grad.batch_shape == op.rhs.batch_shape == (G,)
+    if isinstance(recipe, fp8ax.DelayedScaling):  # the empty group observed nothing
+        new = _step(op, lambda op: jnp.sum(op(x, w, jnp.array(s, jnp.int32))))
+        hist = np.asarray(new.lhs.amax_history[:, 0])
+        assert hist[1] == 0 and np.all(hist[[0, 2, 3]] > 0)
+        np.testing.assert_allclose(hist[3], np.abs(xn[6:]).max(), rtol=0)
+
+
+def test_per_group_tokens_needs_tensor_scales():
+    with pytest.raises(ValueError, match="per_group_tokens=True.*MXScaling"):
+        fp8ax.Fp8RaggedDot.init(fp8ax.MXScaling(), num_experts=G, per_group_tokens=True)
+    with pytest.raises(ValueError, match="needs `num_experts`"):
+        fp8ax.Fp8RaggedDot.init(per_group_tokens=True)

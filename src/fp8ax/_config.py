@@ -28,6 +28,7 @@ class Fp8Config(eqx.Module):
     fp8_all_gather: bool = eqx.field(static=True)
     settings: GemmSettings = eqx.field(static=True)
     per_expert_weights: bool = eqx.field(static=True)
+    per_group_tokens: bool = eqx.field(static=True)
 
     def __init__(
         self,
@@ -39,6 +40,7 @@ class Fp8Config(eqx.Module):
         min_features: int = 0,
         fp8_all_gather: bool = False,
         per_expert_weights: bool = True,
+        per_group_tokens: bool = False,
         **gemm: Unpack[GemmKeywords],
     ):
         """**Arguments:**
@@ -74,6 +76,10 @@ class Fp8Config(eqx.Module):
           quantise each expert's weight as a tensor of its own, with its own scale and
           state (default); False: all experts' weights as one tensor (keyword only). See
           [`fp8ax.Fp8RaggedDot`][].
+        - `per_group_tokens`: in mixture-of-experts layers, scale the tokens routed to
+          each expert (and their output gradients) together, one scale and state per
+          expert, instead of one per tensor (keyword only; needs a recipe with tensor
+          scales).
         """
         self.targets = _check_targets(targets)
         allowed = tuple(k for k in GEMM_KEYWORDS if k != "fp8_all_gather_axes")
@@ -86,6 +92,9 @@ class Fp8Config(eqx.Module):
         if not isinstance(per_expert_weights, bool):
             raise TypeError(f"`per_expert_weights` must be a bool, got {per_expert_weights!r}.")
         self.per_expert_weights = per_expert_weights
+        if not isinstance(per_group_tokens, bool):
+            raise TypeError(f"`per_group_tokens` must be a bool, got {per_group_tokens!r}.")
+        self.per_group_tokens = per_group_tokens
 
     def __check_init__(self):
         if isinstance(self.min_features, bool) or not isinstance(self.min_features, int | np.integer):
@@ -137,6 +146,7 @@ class Fp8Config(eqx.Module):
             batch_shape=batch_shape,
             num_experts=num_experts,
             per_expert_weights=self.per_expert_weights,
+            per_group_tokens=self.per_group_tokens,
         )
 
 

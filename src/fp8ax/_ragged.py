@@ -72,9 +72,10 @@ class RaggedCall(NamedTuple):
 
     call: Call  # settings, out dtype, precision, state layout, as for a dense call
     per_expert: bool  # the weights are quantised per expert, with per-expert state
+    per_group: bool = False  # the tokens (and output gradients) of each group share a scale
 
 
-def _group_ids(group_sizes, rows: int) -> Array:
+def group_ids(group_sizes, rows: int) -> Array:
     """The group of each of `rows` rows (rows past the last group: the last group; their
     output rows are zero anyway)."""
     ends = jnp.cumsum(group_sizes)
@@ -119,7 +120,7 @@ def ragged_gemm(rc: RaggedCall, kind: str, qa, a, qb, b, group_sizes, precision,
             # The kernel's computation: low-precision values, wide accumulation, then the
             # scales (per row for the group-dependent ones).
             acc = _batchable_ragged(kind, precision, np.dtype(np.int32 if ints else np.float32))(va, vb, group_sizes)
-            ids = _group_ids(group_sizes, a.shape[0]) if kind != "drhs" else None
+            ids = group_ids(group_sizes, a.shape[0]) if kind != "drhs" else None
             scale = _output_scale(kind, qa.expanded_scale(), qb.expanded_scale(), ids)
             return (_f32(acc) * scale).astype(out_dtype)
     # Dequantise, then a float32 ragged dot: block scales, `"qdq"` mode, an operand kept
@@ -193,6 +194,40 @@ def quantise_weights(rc: RaggedCall, w, axes, state, plan, group_sizes=None):
     return QuantizedArray(values, scale, tile, layout.int_exponent), new
 
 
+def quantise_tokens(rc: RaggedCall, role: str, x, axes, state, plan, group_sizes, key=None):
+    """Tokens (`"lhs"`, (M, K)) or output gradients (`"grad"`, (M, N)) quantised along
+    `axes`, and their new state: as one tensor, or (`rc.per_group`) the rows of
+    each group as a tensor of their own, with their own scale and entry of the state.
+    Per group, the recipe quantises the whole array with the other groups' rows set to
+    zero (so a group without rows observes nothing), under `vmap` over the groups, and
+    each row takes its group's values; the scale becomes one per row. Rows past the last
+    group are zeros."""
+    if not rc.per_group:
+        return _quantise(rc.call, role, x, axes, state, key=key, plan=plan)
+    call = rc.call
+    recipe = call.settings.operand_recipe(role)
+    rows = jnp.arange(x.shape[0], dtype=group_sizes.dtype)
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+
+    def one(start, end, sg):
+        inside = lax.bitwise_and(lax.ge(rows, start), lax.lt(rows, end))
+        xg = jnp.where(lax.broadcast_in_dim(inside, x.shape, (0,)), x, jnp.zeros_like(x))
+        op = _operand_for(call, role, xg, axes, sg, key)
+        q, new = _checked_result(recipe, op, recipe.quantize_operands([op])[0])
+        return (q.values, q.scale), new
+
+    (values, scales), new = jax.vmap(one)(starts, ends, state)
+    if scales.ndim != 1:
+        raise ValueError(
+            f"`per_group_tokens=True` needs one scale per tensor for the {role}, but {type(recipe).__name__} gives a "
+            f"scale of shape {scales.shape[1:]}."
+        )
+    ids = group_ids(group_sizes, x.shape[0])
+    values = jnp.take_along_axis(values, ids[None, :, None], axis=0)[0]
+    return QuantizedArray(values, scales[ids][:, None]), new
+
+
 def _slice0(state):
     return None if state is None else tuple(s[0] for s in state)
 
@@ -209,14 +244,18 @@ def _fwd(rc: RaggedCall, lhs, rhs, group_sizes, *raw):
     call = rc.call
     st = call.settings
     states = _states(raw)
-    # Per-expert weights plan their own scales (under `vmap`, in `quantise_weights`).
-    plan_states = dict(states, rhs=None) if rc.per_expert else states
+    # Per-expert weights and per-group tokens plan their own scales (under `vmap`).
+    plan_states = dict(states)
+    if rc.per_expert:
+        plan_states["rhs"] = None
+    if rc.per_group:
+        plan_states["lhs"] = plan_states["grad"] = None
     plans, _ = _plans(call, plan_states)
     ql = qr = new_l = new_r = None
     if "fwd" not in st.high_precision_gemms:
-        if rc.per_expert:
-            ql, new_l = _quantise(call, "lhs", lhs, (1,), states["lhs"], plan=plans["lhs"])
-            qr, new_r = quantise_weights(rc, rhs, (1,), states["rhs"], None, group_sizes)
+        if rc.per_expert or rc.per_group:
+            ql, new_l = quantise_tokens(rc, "lhs", lhs, (1,), states["lhs"], plans["lhs"], group_sizes)
+            qr, new_r = quantise_weights(rc, rhs, (1,), states["rhs"], plans["rhs"], group_sizes)
         else:
             (ql, new_l), (qr, new_r) = _quantise_together(
                 call,
@@ -262,14 +301,18 @@ def _bwd(rc: RaggedCall, residuals, g):
     keys = jax.random.split(content_key(grad_recipe.seed, g)) if stochastic else (None, None)
     shared_g, new_g = None, None
     if _grad_once(call):
-        shared_g, new_g = _quantise(call, "grad", g, (1,), g_state, plan=g_plan)
+        shared_g, new_g = quantise_tokens(rc, "grad", g, (1,), g_state, g_plan, group_sizes)
 
     # d lhs = g . rhs^T per group: contracts the output features.
     if "dlhs" in hp:
         qg1 = qr1 = None
         r1 = res_r.dequantize(jnp.float32) if isinstance(res_r, QuantizedArray) else res_r
     else:
-        qg1 = shared_g if shared_g is not None else _quantise(call, "grad", g, (1,), key=keys[0])[0]
+        qg1 = (
+            shared_g
+            if shared_g is not None
+            else quantise_tokens(rc, "grad", g, (1,), None, None, group_sizes, keys[0])[0]
+        )
         qr1, r1 = _operand(rc, "rhs", res_r, (2,))
     dlhs = ragged_gemm(
         rc,
@@ -289,7 +332,11 @@ def _bwd(rc: RaggedCall, residuals, g):
         l2 = res_l.dequantize(jnp.float32) if isinstance(res_l, QuantizedArray) else res_l
     else:
         ql2, l2 = _operand(rc, "lhs", res_l, (0,))
-        qg2 = shared_g if shared_g is not None else _quantise(call, "grad", g, (0,), key=keys[1])[0]
+        qg2 = (
+            shared_g
+            if shared_g is not None
+            else quantise_tokens(rc, "grad", g, (0,), None, None, group_sizes, keys[1])[0]
+        )
     drhs = ragged_gemm(
         rc,
         "drhs",
@@ -355,14 +402,35 @@ class Fp8RaggedDot(Fp8DotGeneral):
     """
 
     per_expert_weights: bool = eqx.field(static=True)
+    per_group_tokens: bool = eqx.field(static=True)
 
-    def __init__(self, lhs, rhs, grad, settings: GemmSettings | None = None, per_expert_weights=False, **changes):
+    def __init__(
+        self,
+        lhs,
+        rhs,
+        grad,
+        settings: GemmSettings | None = None,
+        per_expert_weights=False,
+        per_group_tokens=False,
+        **changes,
+    ):
         """Builds the module from its state and settings; most code wants
         [`fp8ax.Fp8RaggedDot.init`][] instead."""
         super().__init__(lhs, rhs, grad, settings, **changes)
-        if not isinstance(per_expert_weights, bool):
-            raise TypeError(f"`per_expert_weights` must be a bool, got {per_expert_weights!r}.")
+        for name, value in (("per_expert_weights", per_expert_weights), ("per_group_tokens", per_group_tokens)):
+            if not isinstance(value, bool):
+                raise TypeError(f"`{name}` must be a bool, got {value!r}.")
         self.per_expert_weights = per_expert_weights
+        self.per_group_tokens = per_group_tokens
+
+    @property
+    def layer_batch_shape(self) -> tuple[int, ...]:
+        """The stacked-layer dimensions of the state (without the per-expert or per-group
+        one)."""
+        if self.lhs is None:
+            return ()
+        shape = self.lhs.batch_shape
+        return shape[:-1] if self.per_group_tokens else shape
 
     def __check_init__(self):
         super().__check_init__()
@@ -372,6 +440,15 @@ class Fp8RaggedDot(Fp8DotGeneral):
                 "`accumulation` (an `fp8ax.EmulatedAccumulation`) is not supported for grouped GEMMs "
                 "(`Fp8RaggedDot`): leave it None."
             )
+        if self.per_group_tokens:
+            for role in ("lhs", "grad"):
+                recipe = st.operand_recipe(role)
+                if recipe is not None and not recipe.contraction_independent(role):
+                    raise ValueError(
+                        f"`per_group_tokens=True` scales the tokens and output gradients of each group as one tensor, "
+                        f"so it needs a recipe with one scale per tensor for them; {type(recipe).__name__} scales the "
+                        f"`{role}` per row or block."
+                    )
         if st.block_scaled_gemm is True:
             raise ValueError(
                 "`block_scaled_gemm=True` is not supported for grouped GEMMs (`Fp8RaggedDot`): "
@@ -385,6 +462,7 @@ class Fp8RaggedDot(Fp8DotGeneral):
         *,
         num_experts: int | None = None,
         per_expert_weights: bool | None = None,
+        per_group_tokens: bool = False,
         settings: GemmSettings | None = None,
         batch_shape: tuple[int, ...] = (),
         mode: Mode = "direct",
@@ -401,6 +479,9 @@ class Fp8RaggedDot(Fp8DotGeneral):
         - `per_expert_weights`: quantise each expert's weight as a tensor of its own;
           default: True when `num_experts` is given, else False. (Keyword only
           argument.)
+        - `per_group_tokens`: scale the tokens (and the output gradients) of each group
+          together, one scale per group, instead of one per tensor; needs `num_experts`
+          for a stateful recipe and a recipe with tensor scales. (Keyword only argument.)
         - `settings`, `batch_shape`, `mode`, and the GEMM keyword arguments: as for
           [`fp8ax.Fp8DotGeneral.init`][]. (Keyword only arguments.)
         """
@@ -413,17 +494,20 @@ class Fp8RaggedDot(Fp8DotGeneral):
             raise ValueError(f"`num_experts` must be >= 1, got {num_experts}.")
         batch_shape = tuple(int(b) for b in batch_shape)
         recipe = settings.recipe
-        lhs = recipe.init_state(batch_shape)
-        grad = recipe.init_state(batch_shape)
-        if per_expert_weights and lhs is not None:
-            if num_experts is None:
+        stateful = recipe.init_state(batch_shape) is not None
+        for name, wanted in (("per_expert_weights", per_expert_weights), ("per_group_tokens", per_group_tokens)):
+            if wanted and stateful and num_experts is None:
                 raise ValueError(
-                    "`per_expert_weights=True` with a stateful recipe needs `num_experts` (one weight state per expert)."
+                    f"`{name}=True` with a stateful recipe needs `num_experts` (one state per expert or group)."
                 )
-            rhs = recipe.init_state(batch_shape + (int(num_experts),))
-        else:
-            rhs = recipe.init_state(batch_shape)
-        return cls(lhs, rhs, grad, settings, per_expert_weights=bool(per_expert_weights))
+        experts = () if num_experts is None else (int(num_experts),)
+        tokens = batch_shape + (experts if per_group_tokens else ())
+        lhs = recipe.init_state(tokens)
+        grad = recipe.init_state(tokens)
+        rhs = recipe.init_state(batch_shape + (experts if per_expert_weights else ()))
+        return cls(
+            lhs, rhs, grad, settings, per_expert_weights=bool(per_expert_weights), per_group_tokens=per_group_tokens
+        )
 
     @jax.named_scope("fp8ax.Fp8RaggedDot")
     def __call__(
@@ -469,12 +553,16 @@ class Fp8RaggedDot(Fp8DotGeneral):
                 f"`group_sizes` must be an integer array of shape ({rhs.shape[0]},) (one size per expert), got "
                 f"{group_sizes.dtype} of shape {tuple(group_sizes.shape)}."
             )
-        if self.per_expert_weights and self.rhs is not None:
-            experts = self.rhs.batch_shape[-1] if self.rhs.batch_shape else None
-            if experts != rhs.shape[0]:
-                raise ValueError(
-                    f"This layer's per-expert weight state is for {experts} experts, but `rhs` has {rhs.shape[0]}."
-                )
+        for flag, state, what in (
+            (self.per_expert_weights, self.rhs, "per-expert weight"),
+            (self.per_group_tokens, self.lhs, "per-group token"),
+        ):
+            if flag and state is not None:
+                experts = state.batch_shape[-1] if state.batch_shape else None
+                if experts != rhs.shape[0]:
+                    raise ValueError(
+                        f"This layer's {what} state is for {experts} experts, but `rhs` has {rhs.shape[0]}."
+                    )
         if st.compute_dtype is not None:
             lhs = lhs.astype(st.compute_dtype)
             rhs = rhs.astype(st.compute_dtype)
@@ -500,7 +588,7 @@ class Fp8RaggedDot(Fp8DotGeneral):
             lhs_vma=vma(lhs),
             rhs_vma=vma(rhs),
         )
-        rc = RaggedCall(call, self.per_expert_weights)
+        rc = RaggedCall(call, self.per_expert_weights, self.per_group_tokens)
         return ragged_quantized_dot(rc, lhs, rhs, group_sizes, *raw)
 
 

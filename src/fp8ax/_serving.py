@@ -32,7 +32,16 @@ from ._dot_general import Fp8DotGeneral, _check_operand, make_call
 from ._haliax_compat import require_haliax_matmul
 from ._pipeline import Call, _gemm, _quantise, vma
 from ._quantized import QuantizedArray
-from ._ragged import Fp8MoELinear, RaggedCall, moe_call, quantise_weights, ragged_gemm, ragged_out_dtype
+from ._ragged import (
+    Fp8MoELinear,
+    RaggedCall,
+    group_ids,
+    moe_call,
+    quantise_tokens,
+    quantise_weights,
+    ragged_gemm,
+    ragged_out_dtype,
+)
 from ._recipes import _CORRUPT_STATE, AbstractScalingRecipe, Operand
 from ._settings import GemmSettings
 from ._transform import Fp8Linear, linear_call, path_str
@@ -345,6 +354,7 @@ class _ServeRagged(NamedTuple):
 
     call: Call
     per_expert: bool
+    per_group: bool
     layer: str
     tile: tuple[int, ...] | None
     int_exponent: int
@@ -354,14 +364,16 @@ class _ServeRagged(NamedTuple):
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _serving_ragged(s: _ServeRagged, x, w_values, w_scale, x_scale, group_sizes):
     call = s.call
-    if x_scale is not None:  # delayed scaling: the frozen activation scale
+    rc = RaggedCall(call, s.per_expert, s.per_group)
+    if x_scale is not None:  # delayed scaling: the frozen activation scale (per tensor, or per group)
+        if s.per_group:
+            x_scale = x_scale[group_ids(group_sizes, x.shape[0])][:, None]
         qx = QuantizedArray(_formats.quantize(x, x_scale, call.settings.operand_recipe("lhs").fwd_dtype), x_scale)
     else:
-        qx, _ = _quantise(call, "lhs", x, (1,))
+        qx, _ = quantise_tokens(rc, "lhs", x, (1,), None, None, group_sizes)
     if np.dtype(w_scale.dtype) == np.dtype(np.uint8):
         w_scale = lax.bitcast_convert_type(w_scale, s.scale_format)
     qw = QuantizedArray(w_values, w_scale, s.tile, s.int_exponent)
-    rc = RaggedCall(call, s.per_expert)
     return ragged_gemm(rc, "fwd", qx, x, qw, None, group_sizes, call.fwd_precision, call.out_dtype)
 
 
@@ -394,6 +406,7 @@ class ServingRaggedDot(eqx.Module):
     weight_scale_format: np.dtype = eqx.field(static=True)  # the scale's dtype before storage
     layer: str = eqx.field(static=True)
     packed_length: int | None = eqx.field(static=True, default=None)
+    per_group_tokens: bool = eqx.field(static=True, default=False)
 
     def __call__(self, x: Array, values: Array, group_sizes: Array) -> Array:
         """`jax.lax.ragged_dot(x, w, group_sizes)` with the stored expert weights'
@@ -417,7 +430,13 @@ class ServingRaggedDot(eqx.Module):
             rhs_vma=vma(values),
         )
         s = _ServeRagged(
-            call, self.per_expert_weights, self.layer, self.tile, self.int_exponent, self.weight_scale_format
+            call,
+            self.per_expert_weights,
+            self.per_group_tokens,
+            self.layer,
+            self.tile,
+            self.int_exponent,
+            self.weight_scale_format,
         )
         return _serving_ragged(s, x, values, self.weight_scale, self.input_scale, jnp.asarray(group_sizes))
 
@@ -626,7 +645,7 @@ def _convert_moe(layer: str, lin: Fp8MoELinear, check: bool) -> ServingMoELinear
     call = Call(
         st, (((1,), (1,)), ((), ())), weight_dtype, np.dtype(w.dtype), weight_dtype, None, (), frozenset(), frozenset()
     )
-    rc = RaggedCall(call, rg.per_expert_weights)
+    rc = RaggedCall(call, rg.per_expert_weights, rg.per_group_tokens)
 
     def quantise(w, state):
         return quantise_weights(rc, w, (1,), state, None)[0]
@@ -660,6 +679,7 @@ def _convert_moe(layer: str, lin: Fp8MoELinear, check: bool) -> ServingMoELinear
         weight_scale_format=scale_format,
         layer=layer,
         packed_length=packed_length(q.values),
+        per_group_tokens=rg.per_group_tokens,
     )
     values = eqx.filter_jit(encode)(q.values)
     axes = tuple(batch) + tuple(own)

@@ -61,6 +61,8 @@ def _is_holder(x) -> bool:
 
 
 def _state_shape(dg: Fp8DotGeneral) -> tuple[int, ...]:
+    if isinstance(dg, Fp8RaggedDot):
+        return dg.layer_batch_shape  # without the per-expert or per-group dimension
     return dg.lhs.batch_shape if dg.lhs is not None else ()
 
 
@@ -310,11 +312,11 @@ def scaling_stats(model: Any, fn: Callable | None = None, *args, **kwargs) -> di
                 numbers[role] = dg.settings.recipe.state_stats(fields)  # the recipe reads its own state
         if not numbers:
             continue
-        for index in np.ndindex(*dg.lhs.batch_shape):  # one entry per stacked layer
+        for index in np.ndindex(*_state_shape(dg)):  # one entry per stacked layer
             for role, named in numbers.items():
                 for stat, values in named.items():
                     values = np.asarray(values)[index]
-                    # Per-expert weight state (`Fp8RaggedDot`): one entry per expert.
+                    # Per-expert or per-group state (`Fp8RaggedDot`): one entry per expert.
                     for expert in np.ndindex(*values.shape):
                         key = f"{name}{_index_str(index)}/{role}{_index_str(expert)}/{stat}"
                         out[key] = float(values[expert])
