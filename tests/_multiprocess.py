@@ -64,6 +64,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 jax.distributed.initialize(
     coordinator_address=f"127.0.0.1:{args.port}",
+    coordinator_bind_address=f"127.0.0.1:{args.port}",  # loopback only
     num_processes=args.num_processes,
     process_id=args.process_id,
     initialization_timeout=60,

@@ -84,7 +84,8 @@ def _run_with_port(argvs, out, tag, attempts=3):
         try:
             return _run([[*a, "--port", port] for a in argvs], out, tag)
         except RuntimeError as e:
-            if attempt + 1 == attempts or "address already in use" not in str(e).lower():
+            taken = ("failed to add port", "address already in use")  # gRPC's words for a port in use
+            if attempt + 1 == attempts or not any(t in str(e).lower() for t in taken):
                 raise
 
 
@@ -110,6 +111,7 @@ def test_two_processes_match_one_and_orbax_resumes(tmp_path):
     t2 = time.perf_counter()
     print(f"2 processes: {t1 - t0:.1f} s, 1 process and the resume: {t2 - t1:.1f} s")
 
+    assert _children_of(tmp_path) == [], "a worker outlived its run"
     runs = {name: np.load(tmp_path / f"{name}.npz") for name in ("process0", "process1", "single")}
     single = runs["single"]
     for model in models:
@@ -153,3 +155,31 @@ def test_two_processes_match_one_and_orbax_resumes(tmp_path):
         assert "`like` has an FP8 training layer" in msg and "holds a serving layer" in msg, msg
         assert "fp8ax.serving_template" in msg, msg
         assert r["serving_roundtrip_differs"] == []
+
+
+def test_a_taken_port_fails_fast_and_leaves_nothing_running(tmp_path):
+    # The coordinator cannot bind a port that is in use: the process that hosts it fails,
+    # the other is killed at once instead of waiting for the coordinator, and the error
+    # is the one `_run_with_port` retries on.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = str(s.getsockname()[1])
+        argv = ["train", "--num-processes", "2", "--devices", "4", "--out", str(tmp_path), "--models", "equinox"]
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="(?i)failed to add port"):
+            _run([[*argv, "--process-id", str(i), "--port", port] for i in range(2)], tmp_path, "taken")
+    assert time.monotonic() - t0 < 60
+    assert _children_of(tmp_path) == [], "a worker outlived the test"
+
+
+def _children_of(out: pathlib.Path) -> list[int]:
+    """The ids of running processes whose command line names `out` (Linux's /proc)."""
+    pids = []
+    for d in pathlib.Path("/proc").glob("[0-9]*"):
+        try:
+            if str(out).encode() in (d / "cmdline").read_bytes():
+                pids.append(int(d.name))
+        except OSError:
+            pass  # gone meanwhile, or not ours to read
+    return pids
