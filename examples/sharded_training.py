@@ -5,6 +5,13 @@ anywhere:
 
     python examples/sharded_training.py             # 30 steps
     python examples/sharded_training.py --steps 100
+    python examples/sharded_training.py --processes 2   # 2 processes x 4 CPU devices
+
+With `--processes 2` the script starts two copies of itself, each a JAX process with 4
+CPU devices (`jax.distributed.initialize` with a coordinator on 127.0.0.1, gloo
+collectives), which train on the same 4 x 2 mesh spread over both processes: what
+multi-host training does with one process per host. Process 0 runs the one-device
+training too, on its first device, and prints the report.
 
 The same model is trained on one device and on a 4 x 2 mesh (FSDP over "data", tensor
 parallel over "model"). The first step agrees to float32 rounding. After that the two
@@ -16,13 +23,25 @@ state is replicated: the same on every device.
 """
 
 import os
+import sys
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+# A process started by `--processes N` (see `launch`) has 8 / N CPU devices.
+_CHILD = "--process-id" in sys.argv
+if _CHILD:
+    os.environ["XLA_FLAGS"] = (
+        f"--xla_force_host_platform_device_count={8 // int(sys.argv[sys.argv.index('--num-processes') + 1])}"
+    )
+    os.environ["JAX_PLATFORMS"] = "cpu"
+elif "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     # Must happen before JAX starts.
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 
 import argparse  # noqa: E402
 import re  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
 from collections import Counter  # noqa: E402
 
 import equinox as eqx  # noqa: E402
@@ -140,14 +159,15 @@ def main(steps: int = 30):
     config = fp8ax.Fp8Config(targets=["qkv", "out", "up", "down"], fp8_all_gather=True)
     data = list(batches(jax.random.PRNGKey(1), steps))
 
-    # One device.
-    model, opt_state = init(config)
-    step = eqx.filter_jit(train_step)
-    single = []
-    for tokens in data:
-        loss, model, opt_state = step(model, opt_state, tokens)
-        single.append(float(loss))
-    one_device_state = model.blocks.stacked.up.dot_general.lhs.amax_history[:, 0]
+    # One device (in process 0 only, on its first device, when there are several).
+    if jax.process_index() == 0:
+        model, opt_state = init(config)
+        step = eqx.filter_jit(train_step)
+        single = []
+        for tokens in data:
+            loss, model, opt_state = step(model, opt_state, tokens)
+            single.append(float(loss))
+        one_device_state = model.blocks.stacked.up.dot_general.lhs.amax_history[:, 0]
 
     # --8<-- [start:sharded]
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("data", "model"))
@@ -163,7 +183,10 @@ def main(steps: int = 30):
         hlo = step.lower(model, opt_state, hax.shard(data[0], COMPUTE)).compile().as_text()
     # --8<-- [end:sharded]
 
-    print(f"{'step':>5}  {'1 device':>10}  {'8 devices':>10}")
+    if jax.process_index() != 0:
+        return  # process 0 reports
+    where = f" on {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    print(f"{'step':>5}  {'1 device':>10}  {'8 devices' + where:>10}")
     every = max(1, steps // 10)
     for i in list(range(0, steps, every)) + ([steps - 1] if (steps - 1) % every else []):
         print(f"{i + 1:>5}  {single[i]:>10.4f}  {sharded[i]:>10.4f}")
@@ -183,7 +206,54 @@ def main(steps: int = 30):
         print("(XLA:CPU widens FP8 all-gathers to f16; see docs/distributed.md for what the partitioner emits)")
 
 
+def launch(processes: int, steps: int, timeout: float = 600.0) -> int:
+    """Runs this script as `processes` JAX processes on this machine and waits for them.
+    Each is killed if one fails or the time runs out; returns the exit status."""
+    with socket.socket() as s:  # a free port for the coordinator
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--steps", str(steps), "--num-processes", str(processes)]
+            + ["--process-id", str(i), "--port", str(port)],
+            start_new_session=True,  # a process group of its own, killed below
+        )
+        for i in range(processes)
+    ]
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    failed = [i for i, p in enumerate(procs) if p.returncode != 0]
+    if failed:
+        print(f"processes {failed} failed or ran past {timeout:.0f} s", file=sys.stderr)
+    return 1 if failed else 0
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30, help="training steps (default 30)")
-    main(steps=parser.parse_args().steps)
+    parser.add_argument("--processes", type=int, default=1, choices=[1, 2], help="JAX processes (default 1)")
+    parser.add_argument("--num-processes", type=int, help=argparse.SUPPRESS)  # set by `launch`
+    parser.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.processes > 1:
+        sys.exit(launch(args.processes, args.steps))
+    if _CHILD:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=f"127.0.0.1:{args.port}",
+            coordinator_bind_address=f"127.0.0.1:{args.port}",  # loopback only
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+            initialization_timeout=60,
+        )
+    main(steps=args.steps)

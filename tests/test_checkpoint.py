@@ -304,3 +304,51 @@ def test_strip_fp8_of_haliax_quantized_model(getkey):
     assert isinstance(stripped.down_proj.dot_general, haxq.DefaultDotGeneralOp)
     assert jax.tree.structure(stripped) == jax.tree.structure(plain)
     _assert_trees_bit_equal(stripped, plain)
+
+
+# ------------------------------- 6. checkpoints named by path (Orbax): check_checkpoint_metadata
+
+
+def _described(tree):
+    # What a checkpointer that names arrays by path records: each array's shape and
+    # dtype, in the saved tree's structure (Orbax: `.metadata(path).item_metadata`).
+    return jax.eval_shape(lambda: eqx.filter(tree, eqx.is_array))
+
+
+@pytest.mark.parametrize("kind", [pytest.param("haliax", marks=pytest.mark.needs_hax_dot), "equinox"])
+def test_check_checkpoint_metadata_tells_the_kinds_apart(kind, getkey):
+    make = {"haliax": HaliaxMLP.init, "equinox": _eqx_mlp}[kind]
+    layer = {"haliax": "up_proj", "equinox": "layers.0"}[kind]
+    plain = make(key=getkey())
+    training = fp8ax.fp8_linear_layers(plain)
+    serving = fp8ax.serving_template(training)
+    opt_state = optax.adam(1e-3).init(eqx.filter(fp8ax.partition_for_grad_overwrite(training)[1], eqx.is_array))
+    arrays = lambda t: eqx.filter(t, eqx.is_array)  # noqa: E731
+
+    # Each kind fits its own template, also inside a bigger tree and as abstract arrays.
+    for tree in (plain, training, serving):
+        fp8ax.check_checkpoint_metadata(_described(tree), arrays(tree))
+    saved = {"model": training, "opt_state": opt_state}
+    fp8ax.check_checkpoint_metadata(_described(saved), _described(saved))
+
+    def error(saved_tree, like):
+        with pytest.raises(ValueError) as e:
+            fp8ax.check_checkpoint_metadata(_described(saved_tree), arrays(like))
+        return str(e.value)
+
+    msg = error(training, serving)
+    assert msg.startswith(f"The checkpoint does not fit `like` at layer `{layer}`: `like` has a serving layer"), msg
+    assert "The checkpoint holds an FP8 training layer" in msg and "`fp8ax.to_serving`" in msg, msg
+    msg = error(serving, training)
+    assert f"at layer `{layer}`: `like` has an FP8 training layer" in msg, msg
+    assert "The checkpoint holds a serving layer" in msg and "fp8ax.serving_template" in msg, msg
+    msg = error(training, plain)  # every leaf of `like` is there, the state is left over
+    assert f"at layer `{layer}`: `like` has a plain layer" in msg and "holds an FP8 training layer" in msg, msg
+    assert "arrays that `like` has no place for" in msg, msg
+    msg = error(plain, training)
+    assert f"at layer `{layer}`: `like` has an FP8 training layer" in msg and "holds a plain layer" in msg, msg
+    assert "fp8ax.strip_fp8" in msg, msg
+    # Another model altogether: no layer to blame.
+    msg = error({"model": training, "opt_state": opt_state}, {"model": training, "opt_state": None})
+    assert msg.startswith("The checkpoint does not fit `like`: the checkpoint holds"), msg
+    assert "It was saved from another model." in msg, msg

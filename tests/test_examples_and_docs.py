@@ -74,6 +74,16 @@ def test_example_runs(path, tmp_path):
 
 
 @pytest.mark.needs_hax_dot
+def test_sharded_training_example_on_two_processes(tmp_path):
+    # Two JAX processes of 4 CPU devices each, started by the example itself (loopback).
+    out = _run_example(ROOT / "examples" / "sharded_training.py", "--processes", "2", cwd=tmp_path)
+    assert "8 devices on 2 processes" in out, out
+    first = re.search(r"^\s+1\s+(\S+)\s+(\S+)$", out, re.MULTILINE)
+    assert first and abs(float(first[1]) - float(first[2])) < 1e-4, out  # step 1: float32 rounding
+    assert "FP8 state sharding: P(None,) (replicated)" in out, out
+
+
+@pytest.mark.needs_hax_dot
 def test_microbatched_example_runs(tmp_path):
     out = _run_example(ROOT / "examples" / "haliax_mlp.py", "--microbatches", "4", cwd=tmp_path)
     assert "step    3  loss" in out

@@ -8,6 +8,7 @@ from ._accumulation import EmulatedAccumulation as EmulatedAccumulation
 from ._blockwise import BlockwiseScaling as BlockwiseScaling
 from ._calibrate import calibrate as calibrate
 from ._cast import cast_floating as cast_floating
+from ._checkpoint import check_checkpoint_metadata as check_checkpoint_metadata
 from ._checkpoint import tree_deserialise_leaves as tree_deserialise_leaves
 
 # configuration

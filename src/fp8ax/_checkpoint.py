@@ -262,3 +262,115 @@ def tree_deserialise_leaves(path_or_file: str | pathlib.Path | BinaryIO, like: T
     """
     check_checkpoint(path_or_file, like)
     return eqx.tree_deserialise_leaves(path_or_file, like)
+
+
+# Checkpoints whose leaves are named by their path (Orbax): the same kinds and advice,
+# matched by path instead of by position.
+
+
+def _names(path) -> tuple[str, ...]:
+    # A key path as strings: Orbax stores `GetAttrKey("weight")` as "weight" and the
+    # child of a NamedArray as "0".
+    return tuple(path_str((k,)) for k in path)
+
+
+def _has_shape(x) -> bool:
+    # An array, a `jax.ShapeDtypeStruct` or a checkpointer's description of an array
+    # (Orbax's `ArrayMetadata`); not a NamedArray, whose array is its child.
+    return not isinstance(x, hax.NamedArray) and hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _kind_of_entries(entries: dict[tuple[str, ...], tuple[tuple[int, ...], str | None]], weight_shape) -> str | None:
+    """The kind of a saved layer from its entries (paths relative to the layer)."""
+    weights = [sig for rest, sig in entries.items() if rest[:1] == ("weight",)]
+    if not weights or weights[0][0] != tuple(weight_shape):
+        return None
+    if weights[0][1] in ("|u1", "|i1"):
+        return "serving"
+    if any(rest[:1] not in (("weight",), ("bias",)) for rest in entries):
+        return "fp8"
+    return "plain"
+
+
+def check_checkpoint_metadata(metadata, like) -> None:
+    """Checks that a checkpoint described by `metadata` fits `like` before it is
+    restored, with the errors of [`fp8ax.tree_deserialise_leaves`][]: for a checkpointer
+    that names each array by its path in the saved tree, such as Orbax.
+
+    Orbax restores a tree by path and, into a template of another kind (plain, FP8
+    training or serving), fails with a structure mismatch that lists paths. This compares
+    `metadata` with `like` path by path; at the first difference it names the layer, says
+    which kind `like` and the checkpoint have there and what to call, as
+    [`fp8ax.tree_deserialise_leaves`][] does.
+
+    **Arguments:**
+
+    - `metadata`: a pytree whose leaves have `.shape` and `.dtype`, with the structure of
+      the saved tree: `orbax.checkpoint.StandardCheckpointer().metadata(path).item_metadata`,
+      or `jax.eval_shape` of the saved tree.
+    - `like`: the template to restore into (arrays, `jax.ShapeDtypeStruct`s, or `None`
+      for leaves that were not saved, as `eqx.filter(model, eqx.is_array)` leaves them).
+      Paths are compared as strings, so `metadata` may hold dicts where `like` holds
+      modules.
+
+    **Raises:**
+
+    `ValueError` if the checkpoint does not fit `like`.
+
+    !!! Example
+
+        ```python
+        ckptr = orbax.checkpoint.StandardCheckpointer()
+        like = eqx.filter(serving_model, eqx.is_array)
+        fp8ax.check_checkpoint_metadata(ckptr.metadata(path).item_metadata, like)
+        served = ckptr.restore(path, like)
+        ```
+    """
+    saved = {_names(p): _signature(x) for p, x in jtu.tree_flatten_with_path(metadata, is_leaf=_has_shape)[0]}
+    leaves = [
+        (_names(p), x)
+        for p, x in jtu.tree_flatten_with_path(like, is_leaf=_has_shape)[0]
+        if _writes_record(x) or _has_shape(x)
+    ]
+    layers = [
+        (_names(lp), lx)
+        for lp, lx in jtu.tree_flatten_with_path(like, is_leaf=lambda x: isinstance(x, _LAYERS))[0]
+        if isinstance(lx, _LAYERS)
+    ]
+
+    def layer_error(names, detail):
+        for lp, lx in layers:
+            if names[: len(lp)] != lp:
+                continue
+            like_kind = _kind_of_layer(lx)
+            entries = {n[len(lp) :]: sig for n, sig in saved.items() if n[: len(lp)] == lp}
+            w = lx.weight
+            shape = tuple((w.array if isinstance(w, hax.NamedArray) else w).shape)
+            ckpt_kind = _kind_of_entries(entries, shape)
+            if ckpt_kind == like_kind.replace("-stateless", ""):
+                ckpt_kind = None
+            told = f" The checkpoint holds {_DESCRIBE[ckpt_kind]} there." if ckpt_kind else ""
+            return ValueError(
+                f"The checkpoint does not fit `like` at layer `{'.'.join(lp)}`: `like` has {_DESCRIBE[like_kind]} "
+                f"there.{told} {_advice(like_kind, ckpt_kind)} (First difference: {detail}.)"
+            )
+        return ValueError(f"The checkpoint does not fit `like`: {detail}. It was saved from another model.")
+
+    for names, leaf in leaves:
+        want = _signature(leaf)
+        got = saved.get(names)
+        if got is not None and got[0] == want[0] and (want[1] is None or got[1] == want[1]):
+            continue
+        found = "nothing there" if got is None else _show(got)
+        raise layer_error(names, f"`{'.'.join(names)}` of `like` is {_show(want)}, but the checkpoint holds {found}")
+    extra = sorted(set(saved) - {names for names, _ in leaves})
+    if extra:
+        # The first layer of `like` (in its order) with arrays left over, else the first.
+        first = next((n for lp, _ in layers for n in extra if n[: len(lp)] == lp), extra[0])
+        extra.remove(first)
+        extra.insert(0, first)
+        raise layer_error(
+            extra[0],
+            f"the checkpoint holds {len(extra)} arrays that `like` has no place for, the first `{'.'.join(extra[0])}` "
+            f"({_show(saved[extra[0]])})",
+        )
