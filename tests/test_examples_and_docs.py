@@ -54,7 +54,9 @@ def _run_example(path, *args, cwd):
 
 
 # Examples run by a test of their own, which also checks their output.
-OWN_TEST = {"haliax_transformer_lm.py", "serving.py"}
+# (sharded_training.py: its two-process mode, which also runs its one-process comparison;
+# moe_transformer_lm.py: at a tiny size.)
+OWN_TEST = {"haliax_transformer_lm.py", "serving.py", "sharded_training.py", "moe_transformer_lm.py"}
 
 
 def _uses_haliax(code: str) -> bool:
@@ -81,6 +83,15 @@ def test_sharded_training_example_on_two_processes(tmp_path):
     first = re.search(r"^\s+1\s+(\S+)\s+(\S+)$", out, re.MULTILINE)
     assert first and abs(float(first[1]) - float(first[2])) < 1e-4, out  # step 1: float32 rounding
     assert "FP8 state sharding: P(None,) (replicated)" in out, out
+
+
+@pytest.mark.needs_hax_dot
+def test_moe_example_trains_both_runs(tmp_path):
+    tiny = ["--layers", "1", "--seq", "16", "--batch", "4", "--embed", "32"]
+    out = _run_example(ROOT / "examples" / "moe_transformer_lm.py", *tiny, cwd=tmp_path)
+    assert "hax.nn.MoELinear x1" in out and "held-out loss: bf16" in out, out
+    scales = re.search(r"per-expert weight scales: (.*)$", out, re.MULTILINE)
+    assert scales and len(scales[1].split(", ")) == 4, out  # one scale per expert
 
 
 @pytest.mark.needs_hax_dot
