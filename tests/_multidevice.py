@@ -106,7 +106,7 @@ def _train_sharded(model, x, y, compute, params, name="step"):
 
 def _states(model):
     overwrite, _ = fp8ax.partition_for_grad_overwrite(model)
-    return jax.tree_util.tree_leaves_with_path(overwrite)
+    return jax.tree_util.tree_leaves_with_path(eqx.filter(overwrite, eqx.is_array))
 
 
 def _compare(single, sharded):

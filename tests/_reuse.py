@@ -563,9 +563,10 @@ def data_for(seed: int, nan: bool = False) -> dict:
 
 
 def _fp8(tree):
-    """The FP8 part of a gradient tree or model: {path: array} of every state leaf."""
+    """The FP8 part of a gradient tree or model: {path: array} of every state leaf (not
+    the program switch `calibrating`, a bool in a model and None in a gradient)."""
     overwrite, _ = fp8ax.partition_for_grad_overwrite(tree)
-    return {jtu.keystr(p): np.asarray(v) for p, v in jtu.tree_leaves_with_path(overwrite)}
+    return {jtu.keystr(p): np.asarray(v) for p, v in jtu.tree_leaves_with_path(eqx.filter(overwrite, eqx.is_array))}
 
 
 @functools.cache
@@ -679,7 +680,7 @@ def _apply(model, overwrite):
 
 def _fp8_tree(model):
     overwrite, _ = fp8ax.partition_for_grad_overwrite(model)
-    return overwrite
+    return eqx.filter(overwrite, eqx.is_array)
 
 
 # ----------------------------------------------------------------------------------------

@@ -218,17 +218,32 @@ def walk_train_step(model, x) -> _Walk:
 
 def settled(tree):
     """`tree` with every FP8 layer switched the way `fp8ax.apply_updates` switches a layer
-    whose state it writes (`DelayedScaling(calibrate_first_call=False)`): for comparing a
-    trained model with a gradient tree, or with a checkpoint loaded into a fresh model
-    (static settings are not saved; the template's are kept)."""
+    whose state it writes (its `calibrating` leaf 0.0): for comparing a trained model
+    with a gradient tree (where `calibrating` is None), or with a checkpoint that did not
+    save it (an Orbax checkpoint of `eqx.filter(model, eqx.is_array)`)."""
     is_dg = lambda x: isinstance(x, fp8ax.Fp8DotGeneral)  # noqa: E731
-    return jax.tree.map(lambda x: x._settled() if is_dg(x) else x, tree, is_leaf=is_dg)
+
+    def switch(x):
+        return dataclasses.replace(x, calibrating=0.0) if is_dg(x) and x._has_first_call() else x
+
+    return jax.tree.map(switch, tree, is_leaf=is_dg)
+
+
+def without_fp8(tree):
+    """The arrays of `tree` with None in place of each FP8 module: the parameters (or
+    their gradients) alone, as `fp8ax.partition_for_grad_overwrite` gave them before it
+    kept the FP8 modules as zeros."""
+    is_fp8 = lambda x: isinstance(x, fp8ax.OverwriteWithGradient)  # noqa: E731
+    return eqx.filter(jax.tree.map(lambda x: None if is_fp8(x) else x, tree, is_leaf=is_fp8), eqx.is_array)
 
 
 def with_settings_of(template, model):
-    """`model`'s arrays in `template`'s FP8 settings, as loading a checkpoint of `model`
-    into the freshly converted `template` gives (static settings are not saved)."""
+    """`model`'s arrays in `template`'s FP8 settings and program (`calibrating`), as
+    restoring a checkpoint of `model`'s arrays only (Orbax, of
+    `eqx.filter(model, eqx.is_array)`) into the freshly converted `template` gives."""
     is_dg = lambda x: isinstance(x, fp8ax.Fp8DotGeneral)  # noqa: E731
-    return jax.tree.map(
-        lambda t, m: dataclasses.replace(m, settings=t.settings) if is_dg(m) else m, template, model, is_leaf=is_dg
-    )
+
+    def take(t, m):
+        return dataclasses.replace(m, settings=t.settings, calibrating=t.calibrating) if is_dg(m) else m
+
+    return jax.tree.map(take, template, model, is_leaf=is_dg)

@@ -48,10 +48,11 @@ def test_calibrate_fills_histories_and_keeps_weights(getkey):
     np.testing.assert_array_equal(h["rhs"][:3], [w_amax, w_amax, 0])
     assert (h["grad"][:2] > 0).all() and h["grad"][2] == 0
     # Layers whose histories are filled compile without the calibration branch; the
-    # layer no batch reached keeps its empty state and its settings.
-    assert not out.body.dot_general.recipe.calibrate_first_call
-    assert not out.head.dot_general.recipe.calibrate_first_call
-    assert out.unused.dot_general.recipe.calibrate_first_call
+    # layer no batch reached keeps its empty state and its first-call program.
+    assert out.body.dot_general.settled and not out.body.dot_general.program_recipe.calibrate_first_call
+    assert out.head.dot_general.settled and not out.head.dot_general.program_recipe.calibrate_first_call
+    assert not out.unused.dot_general.settled and out.unused.dot_general.program_recipe.calibrate_first_call
+    assert out.body.dot_general.recipe == model.body.dot_general.recipe  # the settings stay
     assert not _hist(out.unused.dot_general)["lhs"].any()
 
 
@@ -62,9 +63,15 @@ def test_calibrated_state_is_the_first_training_steps(getkey):
     calibrated = fp8ax.calibrate(model, loss_fn, [(x, y)], keep_first_call=True)
     overwrite, _ = fp8ax.partition_for_grad_overwrite(eqx.filter_jit(eqx.filter_grad(loss_fn))(model, x, y))
     stepped = fp8ax.apply_updates(model, None, overwrite)
-    for a, b in zip(jax.tree.leaves(calibrated), jax.tree.leaves(stepped)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    assert calibrated.body.dot_general.recipe.calibrate_first_call  # kept
+    for role in ("lhs", "rhs", "grad"):
+        for a, b in zip(
+            jax.tree.leaves(getattr(calibrated.body.dot_general, role)),
+            jax.tree.leaves(getattr(stepped.body.dot_general, role)),
+            strict=True,
+        ):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not calibrated.body.dot_general.settled and stepped.body.dot_general.settled  # kept
+    assert jax.tree.structure(calibrated) == jax.tree.structure(stepped)
 
 
 def test_calibrated_step_has_no_conditional_and_same_numbers(getkey):
@@ -109,9 +116,11 @@ def test_calibrate_bad_input(getkey):
 
 
 def test_a_scanned_training_loop_runs_after_calibrate(getkey):
-    # A scan body is one program for every step, so the first step's switch cannot
-    # happen inside it (JAX refuses the carry). After `calibrate` the steps are the same
-    # program, and three scanned steps equal three steps of a Python loop, bit for bit.
+    # A scan body is one program for every step. With the model's non-array leaves out of
+    # the carry (the usual `eqx.partition`), the program switch `calibrating` is static:
+    # a fresh model runs the first-call program on every scanned step (it calibrates on
+    # the first and follows its history after), and after `calibrate` the settled one,
+    # and three scanned steps equal three steps of a Python loop, bit for bit.
     import optax
 
     model = fp8ax.fp8_linear_layers(eqx.nn.MLP(8, 4, 16, 1, key=getkey()))
@@ -136,13 +145,20 @@ def test_a_scanned_training_loop_runs_after_calibrate(getkey):
 
         return eqx.combine(jax.lax.scan(body, arrays, (xs, ys))[0], static)
 
-    with pytest.raises(TypeError, match="calibrate_first_call=True"):
-        scanned(model, opt_state, xs, ys)  # fresh: the carry would change its settings
+    def looped(model, opt_state):
+        for i in range(3):
+            model, opt_state = eqx.filter_jit(step)(model, opt_state, xs[i], ys[i])
+        return model
+
+    got, _ = scanned(model, opt_state, xs, ys)  # fresh
+    assert not got.layers[0].dot_general.settled  # the switch is static in the scan
+    want = looped(model, opt_state)
+    for a, b in zip(jax.tree.leaves(eqx.filter(got, eqx.is_array)), jax.tree.leaves(eqx.filter(want, eqx.is_array))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
 
     model = fp8ax.calibrate(model, loss_fn, [(xs[0], ys[0])])
     got, _ = scanned(model, opt_state, xs, ys)
-    want, state = model, opt_state
-    for i in range(3):
-        want, state = eqx.filter_jit(step)(want, state, xs[i], ys[i])
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    want = looped(model, opt_state)
+    assert got.layers[0].dot_general.settled and want.layers[0].dot_general.settled
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -174,7 +174,8 @@ def test_settles_and_stacks(getkey):
     single = fp8ax.Fp8RaggedDot.init(num_experts=G)
     step = eqx.filter_jit(lambda m: _step(m, lambda m: jnp.sum(m(x, w, jnp.array([6, 6, 6, 6], jnp.int32)))))
     settled = step(single)
-    assert not settled.recipe.calibrate_first_call and single.recipe.calibrate_first_call
+    assert settled.settled and not single.settled and not settled.program_recipe.calibrate_first_call
+    assert settled.calibrating == 0.0 and single.calibrating == 1.0
     again = step(settled)
     assert bool(jnp.all(again.rhs.amax_history[:, 1] == settled.rhs.amax_history[:, 0]))
 
@@ -328,7 +329,7 @@ def test_serving_is_bit_exact(name, per_group, getkey):
     got = eqx.filter_jit(lambda m: m(x, sizes))(serving)
     np.testing.assert_array_equal(np.asarray(got.array), np.asarray(want.array))
     template = fp8ax.serving_template(fp8ax.fp8_linear_layers(model, config))
-    # The same arrays (the static settings may differ: training settles the recipe).
+    # The same arrays (and settings) as a serving model of a fresh conversion.
     shapes = lambda t: [(a.shape, a.dtype) for a in jax.tree.leaves(t)]  # noqa: E731
     assert shapes(template) == shapes(serving)
     with pytest.raises(TypeError, match="serving layer"):

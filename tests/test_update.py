@@ -27,7 +27,15 @@ def test_partition_splits_state_from_parameters(getkey):
     overwrite, rest = fp8ax.partition_for_grad_overwrite(m)
     assert isinstance(overwrite.up_proj.dot_general, fp8ax.Fp8DotGeneral)
     assert overwrite.up_proj.weight.array is None
-    assert rest.up_proj.dot_general is None and rest.up_proj.weight.array is m.up_proj.weight.array
+    assert rest.up_proj.weight.array is m.up_proj.weight.array
+    # In place of the state, zeros: the state is not trained. `rest` has the structure of
+    # the model's arrays, so an optimiser state built from them matches it.
+    assert jax.tree.structure(rest) == jax.tree.structure(eqx.filter(m, eqx.is_array))
+    dg = rest.up_proj.dot_general
+    assert isinstance(dg, fp8ax.Fp8DotGeneral) and dg.settings == m.up_proj.dot_general.settings
+    for leaf in jax.tree.leaves(dg):
+        assert leaf.dtype == jnp.float32 and not np.any(np.asarray(leaf))
+    assert dg.calibrating is None  # not an array: left out, as `eqx.filter_grad` leaves it
 
 
 @pytest.mark.needs_hax_dot
@@ -85,14 +93,26 @@ def test_gradients_passed_as_overwrite_are_refused(getkey):
 
 
 @pytest.mark.needs_hax_dot
-def test_unpartitioned_updates_are_refused(getkey):
+def test_what_the_optimiser_makes_of_the_state_is_ignored(getkey):
+    # Weight decay turns the state's zero gradient into nonzero updates: the state is
+    # written from `overwrite` alone, bit for bit, and the weights get their updates.
     model = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
     x, y = _data(getkey)
-    grads = eqx.filter_grad(mse)(model, x, y)
-    overwrite, _ = fp8ax.partition_for_grad_overwrite(grads)
-    updates = jax.tree.map(lambda g: -0.1 * g, grads)  # the state went through the "optimiser"
-    with pytest.raises(ValueError, match=r"`updates` holds values for the FP8 state at `\.up_proj\.dot_general`"):
-        fp8ax.apply_updates(model, updates, overwrite)
+    overwrite, grads = fp8ax.partition_for_grad_overwrite(eqx.filter_grad(mse)(model, x, y))
+    updates = jax.tree.map(lambda g, p: -0.1 * g - 0.5 * p, grads, eqx.filter(model, eqx.is_array))
+    new = fp8ax.apply_updates(model, updates, overwrite)
+    want = fp8ax.apply_updates(model, None, overwrite)
+    for role in ("lhs", "rhs", "grad"):
+        for a, b in zip(
+            jax.tree.leaves(getattr(new.up_proj.dot_general, role)),
+            jax.tree.leaves(getattr(want.up_proj.dot_general, role)),
+            strict=True,
+        ):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert new.up_proj.dot_general.settled
+    np.testing.assert_array_equal(
+        np.asarray(new.up_proj.weight.array), np.asarray(model.up_proj.weight.array + updates.up_proj.weight.array)
+    )
 
 
 class TwoHeads(eqx.Module):
@@ -170,7 +190,9 @@ def test_clip_by_global_norm_does_not_see_state(getkey):
     # The global norm of what the optimiser sees covers the parameters only (the FP8
     # gradients are close to, not equal to, the float32 ones: 10% tolerance).
     assert float(optax.tree.norm(grads)) == pytest.approx(float(optax.tree.norm(plain_grads)), rel=0.1)
-    assert len(jax.tree.leaves(grads)) == len(jax.tree.leaves(plain_grads))
+    # What it sees of the FP8 state is zero.
+    state_leaves = jax.tree.leaves([grads.up_proj.dot_general, grads.down_proj.dot_general])
+    assert state_leaves and not any(np.any(np.asarray(v)) for v in state_leaves)
 
 
 @pytest.mark.needs_hax_dot
@@ -178,8 +200,9 @@ def test_cast_floating(getkey):
     model = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
     cast = fp8ax.cast_floating(model, jnp.bfloat16)
     assert cast.up_proj.weight.dtype == jnp.bfloat16 and cast.up_proj.bias.dtype == jnp.bfloat16
-    for leaf in jax.tree.leaves(cast.up_proj.dot_general):
+    for leaf in jax.tree.leaves(eqx.filter(cast.up_proj.dot_general, eqx.is_array)):
         assert leaf.dtype == jnp.float32
+    assert cast.up_proj.dot_general.calibrating == 1.0  # a Python float: not cast
     with pytest.raises(TypeError, match="`dtype` must be a floating dtype, got int8"):
         fp8ax.cast_floating(model, jnp.int8)
     # The naive cast loses float32 state, and the layer refuses to run on it.
@@ -208,6 +231,128 @@ def test_apply_updates_with_overwrite_none(getkey):
         jax.tree.leaves(eqx.filter(got, eqx.is_array)), jax.tree.leaves(eqx.filter(want, eqx.is_array)), strict=True
     ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# The optimiser state as Equinox's examples build it, from the whole model:
+# `opt.init(eqx.filter(model, eqx.is_array))`, FP8 state included.
+
+_OPTIMISERS = {
+    "adam": lambda: optax.adam(1e-2),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    "sgd-momentum": lambda: optax.sgd(1e-2, momentum=0.9),
+    "clip-adamw": lambda: optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=0.1)),
+    "multisteps": lambda: optax.MultiSteps(optax.adam(1e-2), 2),
+}
+
+
+def _trained_with(model, loss, opt, init_from, steps):
+    """`model` after `steps` jitted fp8ax steps, the optimiser state built from
+    `init_from`; checks that the optimiser state keeps its structure and shapes, and
+    returns the model and how many times the step was traced."""
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes its int step count with floats
+        state = opt.init(eqx.filter(init_from, eqx.is_array))
+    shapes = jax.tree.map(jnp.shape, state)
+    traces = []
+
+    @eqx.filter_jit
+    def step(m, s):
+        traces.append(None)
+        overwrite, grads = fp8ax.partition_for_grad_overwrite(eqx.filter_grad(loss)(m))
+        with jax.numpy_dtype_promotion("standard"):
+            updates, s = opt.update(grads, s, eqx.filter(m, eqx.is_array))
+        return fp8ax.apply_updates(m, updates, overwrite), s
+
+    for _ in range(steps):
+        model, state = step(model, state)
+        assert jax.tree.map(jnp.shape, state) == shapes
+    return model, len(traces)
+
+
+def _assert_same_arrays(a, b):
+    for u, v in zip(
+        jax.tree.leaves(eqx.filter(a, eqx.is_array)), jax.tree.leaves(eqx.filter(b, eqx.is_array)), strict=True
+    ):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+@pytest.mark.parametrize("name", list(_OPTIMISERS))
+def test_an_optimiser_state_built_from_the_whole_model_works(getkey, name):
+    # It used to fail inside optax with a pytree structure error: the gradients held None
+    # where the optimiser state held the FP8 state, and the first step changed a static
+    # setting of every layer. It now trains exactly as an optimiser state built without
+    # the FP8 state does, with the same two compilations.
+    model = fp8ax.fp8_linear_layers(eqx.nn.MLP(8, 4, 16, 1, key=getkey()))
+    x = jax.random.normal(getkey(), (32, 8))
+    y = jax.random.normal(getkey(), (32, 4))
+
+    def loss(m):
+        return jnp.mean((jax.vmap(m)(x) - y) ** 2)
+
+    whole, traces = _trained_with(model, loss, _OPTIMISERS[name](), model, 4)
+    assert traces == 2  # the calibrating first step, then the settled program
+    trainable = fp8ax.partition_for_grad_overwrite(model)[1]
+    want, _ = _trained_with(model, loss, _OPTIMISERS[name](), trainable, 4)
+    _assert_same_arrays(whole, want)
+    dg = whole.layers[0].dot_general
+    assert dg.settled and dg.recipe == model.layers[0].dot_general.recipe
+    # The state was written, not moved by the optimiser: the newest amax is the input's.
+    assert float(dg.lhs.amax_history[0]) == float(jnp.max(jnp.abs(x)))
+    assert float(jnp.max(jnp.abs(whole.layers[0].weight - model.layers[0].weight))) > 0
+
+
+@pytest.mark.needs_hax_dot
+def test_a_stacked_haliax_model_with_the_whole_model_in_the_optimiser(getkey):
+    # `params=model` for weight decay: the switch `calibrating` (a float, not an array) gets no update.
+    from helpers import Deep
+
+    model = fp8ax.fp8_linear_layers(Deep.init(key=getkey()))
+    x, y = _data(getkey)
+    opt = optax.adamw(1e-2, weight_decay=0.1)
+    with jax.numpy_dtype_promotion("standard"):
+        state = opt.init(eqx.filter(model, eqx.is_array))
+
+    @eqx.filter_jit
+    def step(m, s):
+        overwrite, grads = fp8ax.partition_for_grad_overwrite(eqx.filter_grad(mse)(m, x, y))
+        with jax.numpy_dtype_promotion("standard"):
+            updates, s = opt.update(grads, s, params=m)
+        return fp8ax.apply_updates(m, updates, overwrite), s
+
+    structure = jax.tree.structure(model)
+    losses = []
+    for _ in range(5):
+        model, state = step(model, state)
+        losses.append(float(mse(model, x, y)))
+    assert jax.tree.structure(model) == structure
+    assert losses[-1] < losses[0]
+    stacked = jax.tree.leaves(model.blocks, is_leaf=lambda v: isinstance(v, fp8ax.Fp8DotGeneral))
+    dgs = [v for v in stacked if isinstance(v, fp8ax.Fp8DotGeneral)]
+    assert dgs and all(dg.settled and dg.calibrating == 0.0 for dg in dgs)
+
+
+def test_settling_keeps_the_pytree_structure(getkey):
+    model = fp8ax.fp8_linear_layers(eqx.nn.MLP(8, 4, 16, 1, key=getkey()))
+    x = jax.random.normal(getkey(), (32, 8))
+    dg = model.layers[0].dot_general
+    assert not dg.settled and dg.calibrating == 1.0 and dg.program_recipe.calibrate_first_call
+    overwrite, _ = fp8ax.partition_for_grad_overwrite(eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(x)))(model))
+    new = fp8ax.apply_updates(model, None, overwrite)
+    assert jax.tree.structure(new) == jax.tree.structure(model)
+    dg = new.layers[0].dot_general
+    assert dg.settled and dg.calibrating == 0.0
+    assert dg.recipe == model.layers[0].dot_general.recipe  # the settings say what was configured
+    assert dg.program_recipe == fp8ax.DelayedScaling(calibrate_first_call=False)
+    # Stateless recipes and a recipe without a first-call mode have no switch.
+    for recipe in (fp8ax.CurrentScaling(), fp8ax.DelayedScaling(calibrate_first_call=False)):
+        dg = fp8ax.Fp8DotGeneral.init(recipe)
+        assert dg.calibrating is None and dg.settled and dg.program_recipe == recipe
+
+
+def test_a_malformed_program_switch_is_refused():
+    dg = fp8ax.Fp8DotGeneral.init()
+    for bad in (jnp.zeros((3,)), 0.5, "yes"):
+        with pytest.raises(TypeError, match=r"`calibrating` must be None, 1.0 \(a fresh layer\) or 0.0"):
+            fp8ax.Fp8DotGeneral(dg.lhs, dg.rhs, dg.grad, dg.settings, calibrating=bad)
 
 
 # `eqx.apply_updates` on the raw gradient: the state goes through the optimiser.
@@ -565,10 +710,10 @@ def test_a_corrupt_ensemble_member_is_an_error(getkey):
     fresh = ens
     ens = step(ens)  # filled histories: the members take the delayed branch
     # The checks live in the calibrating program, which a written layer leaves behind: put
-    # the filled state back into the fresh settings (as loading a checkpoint into a freshly
+    # the filled state back into the fresh program (as restoring its arrays into a freshly
     # converted ensemble does).
     ens = with_settings_of(fresh, ens)
-    assert ens.layers[1].dot_general.recipe.calibrate_first_call
+    assert not ens.layers[1].dot_general.settled
     broken = eqx.tree_at(
         lambda m: m.layers[1].dot_general.rhs.amax_history,
         ens,

@@ -22,17 +22,17 @@ def calibrate(model: T, loss_fn: Callable[..., Any], batches: Iterable[Any], *, 
     For each batch it runs `eqx.filter_grad(loss_fn)(model, *batch)` under
     `eqx.filter_jit` and writes the new FP8 state only (as
     [`fp8ax.apply_updates`][]`(model, None, overwrite)`); the parameter gradients are
-    discarded. Writing the state switches every layer the batches reached to
-    `DelayedScaling(calibrate_first_call=False)`, as the first training step would
-    (see [`fp8ax.apply_updates`][]), so the training step compiles once, straight to
+    discarded. Writing the state switches every layer the batches reached to its settled
+    program (`dg.settled`; for `DelayedScaling`, without `calibrate_first_call`), as the
+    first training step would (see [`fp8ax.apply_updates`][]), so the training step
+    compiles once, straight to
     the program of delayed scaling: each tensor is cast with the scale its history
     gives, with no conditional and nothing that waits on the tensor's amax (see the
     "How it works" page). Layers the batches did not reach keep their settings.
 
-    The switch changes the layers' static settings, so a jitted step compiles once more.
-    An optimiser state built as fp8ax's docs build it, from the model without its FP8
-    state (`fp8ax.partition_for_grad_overwrite(model)[1]`), holds no FP8 modules and stays
-    valid either way.
+    The switch changes each layer's `calibrating` leaf (a Python float), so a jitted step
+    compiles once more; the pytree structure stays the same, and an optimiser state
+    built from the model before or after calibrating works either way.
 
     **Arguments:**
 
@@ -41,8 +41,8 @@ def calibrate(model: T, loss_fn: Callable[..., Any], batches: Iterable[Any], *, 
       gradient's FP8 part is used (the output-gradient histories record its gradients).
     - `batches`: an iterable of batches; each is a tuple of arguments for `loss_fn`
       after the model, or one argument.
-    - `keep_first_call`: keep every layer's settings as they were, `calibrate_first_call`
-      included (only fill the histories). (Keyword only argument.)
+    - `keep_first_call`: keep every layer's program as it was (its `calibrating` leaf;
+      only fill the histories). (Keyword only argument.)
 
     **Returns:**
 
@@ -57,7 +57,7 @@ def calibrate(model: T, loss_fn: Callable[..., Any], batches: Iterable[Any], *, 
         ```python
         model = fp8ax.fp8_linear_layers(model)
         model = fp8ax.calibrate(model, loss_fn, [(x1, y1), (x2, y2)])
-        opt_state = opt.init(eqx.filter(fp8ax.partition_for_grad_overwrite(model)[1], eqx.is_inexact_array))
+        opt_state = opt.init(eqx.filter(model, eqx.is_array))
         ```
     """
     if not callable(loss_fn):
@@ -88,7 +88,7 @@ def calibrate(model: T, loss_fn: Callable[..., Any], batches: Iterable[Any], *, 
 
     def keep(before, after):
         if _is_dg(after) and _is_dg(before):
-            return dataclasses.replace(after, settings=before.settings)
+            return dataclasses.replace(after, calibrating=before.calibrating)
         return after
 
     return jtu.tree_map(keep, original, model, is_leaf=_is_dg)

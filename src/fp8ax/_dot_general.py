@@ -20,6 +20,8 @@ from ._state import AbstractState, OverwriteWithGradient
 
 # The names of GemmSettings' fields, read through the module and the config.
 _SETTINGS_FIELDS = tuple(f.name for f in dataclasses.fields(GemmSettings))
+# `Fp8DotGeneral.calibrating` of a fresh layer and of a written one.
+_FRESH, _SETTLED = 1.0, 0.0
 
 
 class Fp8DotGeneral(OverwriteWithGradient):
@@ -33,6 +35,20 @@ class Fp8DotGeneral(OverwriteWithGradient):
     ([`fp8ax.CurrentScaling`][], [`fp8ax.MXScaling`][], [`fp8ax.Int8Scaling`][]) the three
     fields are `None` and the module has no array leaves.
 
+    A recipe with a first-call mode (`DelayedScaling(calibrate_first_call=True)`, the
+    default) adds one more leaf, `calibrating`: a Python float, 1.0 while the layer has
+    never been written, 0.0 once [`fp8ax.apply_updates`][] or [`fp8ax.calibrate`][] has
+    written its state. It picks the program (see `settled` and `program_recipe`). Like
+    `eqx.nn.Dropout`'s `inference`, it is a leaf that is not an array: `eqx.filter_jit`
+    treats it as static (one program for each value), `eqx.filter(model, eqx.is_array)`
+    and `eqx.filter_grad` leave it out, and the module's pytree structure stays the same
+    when it changes, so an optimiser state built from the whole model
+    (`opt.init(eqx.filter(model, eqx.is_array))`) keeps matching the gradients. Where a
+    transformation traces it (`jax.jit` rather than `eqx.filter_jit`, a `lax.scan` carry)
+    the layer runs the first-call program, which is correct for a written state too, but
+    on XLA:GPU costs what the switch saves (see `_settled`). (A float rather than a bool
+    so that `jax.grad` of a function of the whole model accepts it.)
+
     Everything else is one static field, `settings` (an [`fp8ax.GemmSettings`][]); its
     fields can be read on the module too (`dg.recipe`, `dg.mode`, ...).
 
@@ -44,13 +60,16 @@ class Fp8DotGeneral(OverwriteWithGradient):
     lhs: AbstractState | None
     rhs: AbstractState | None
     grad: AbstractState | None
+    calibrating: float | None
     settings: GemmSettings = eqx.field(static=True)
 
-    def __init__(self, lhs, rhs, grad, settings: GemmSettings | None = None, **changes):
+    def __init__(self, lhs, rhs, grad, settings: GemmSettings | None = None, calibrating=None, **changes):
         """Builds the module from its state and settings; most code wants
         [`fp8ax.Fp8DotGeneral.init`][] instead. Keyword arguments named like a field of
         [`fp8ax.GemmSettings`][] replace that field of `settings` (so
-        `dataclasses.replace(dg, mode="qdq")` works)."""
+        `dataclasses.replace(dg, mode="qdq")` works). `calibrating` is set from the
+        settings: None for a recipe without a first-call mode, and for one with it the
+        value given, or if None, 1.0 (a fresh layer)."""
         settings = GemmSettings() if settings is None else settings
         if not isinstance(settings, GemmSettings):
             raise TypeError(f"`settings` must be an `fp8ax.GemmSettings`, got {type(settings).__name__}.")
@@ -62,6 +81,42 @@ class Fp8DotGeneral(OverwriteWithGradient):
             kwargs.update(changes)
             settings = GemmSettings(**kwargs)
         self.lhs, self.rhs, self.grad, self.settings = lhs, rhs, grad, settings
+        if not self._has_first_call():
+            calibrating = None
+        elif calibrating is None:
+            calibrating = _FRESH
+        self.calibrating = calibrating
+
+    def _has_first_call(self) -> bool:
+        # Only a stateful recipe whose settled program differs needs the switch.
+        recipe = self.settings.recipe
+        return self.lhs is not None and recipe.after_state_written() is not recipe
+
+    @property
+    def settled(self) -> bool:
+        """Whether the layer runs its settled program: its state has been written (by
+        [`fp8ax.apply_updates`][] or [`fp8ax.calibrate`][]), or its recipe has no
+        first-call mode."""
+        flag = self.calibrating
+        if flag is None:
+            return True
+        if isinstance(flag, jax.core.Tracer):
+            return False  # traced (`jax.jit`, a `lax.scan` carry): run the program that is right either way
+        return float(np.asarray(flag)) == _SETTLED
+
+    @property
+    def program_recipe(self) -> AbstractScalingRecipe:
+        """The recipe the layer's program runs now: `recipe`, or once the layer is
+        `settled`, `recipe.after_state_written()` (for `DelayedScaling`, the recipe
+        without `calibrate_first_call`)."""
+        recipe = self.settings.recipe
+        return recipe.after_state_written() if self.settled else recipe
+
+    def _program_settings(self) -> GemmSettings:
+        # The settings the GEMM pipeline builds this call's program from.
+        recipe = self.settings.recipe
+        program = self.program_recipe
+        return self.settings if program is recipe else dataclasses.replace(self.settings, recipe=program)
 
     def __check_init__(self):
         for name in ("lhs", "rhs", "grad"):
@@ -70,6 +125,12 @@ class Fp8DotGeneral(OverwriteWithGradient):
                     f"`{name}` must be a recipe's state (an `fp8ax.AbstractState`, such as `fp8ax.ScalingState`) or "
                     f"None, got {type(getattr(self, name)).__name__}."
                 )
+        flag = self.calibrating
+        if flag is not None and not (
+            isinstance(flag, jax.core.Tracer)
+            or (np.shape(flag) == () and np.asarray(flag).item() in (_FRESH, _SETTLED))
+        ):
+            raise TypeError(f"`calibrating` must be None, 1.0 (a fresh layer) or 0.0 (a written one), got {flag!r}.")
 
     # Read-only views of the settings, under the names users know.
     recipe = property(lambda self: self.settings.recipe, doc="The scaling recipe (`settings.recipe`).")
@@ -146,7 +207,7 @@ class Fp8DotGeneral(OverwriteWithGradient):
         arguments (bf16 operands give a bf16 result unless `preferred_element_type` says
         otherwise).
         """
-        st = self.settings
+        st = self._program_settings()
         lhs = _check_operand(lhs, "lhs")
         rhs = _check_operand(rhs, "rhs")
         if st.compute_dtype is not None:
@@ -210,28 +271,29 @@ class Fp8DotGeneral(OverwriteWithGradient):
         )
 
     def _settled(self) -> "Fp8DotGeneral":
-        """This layer with the recipe its recipe becomes once the state is written
-        (`AbstractScalingRecipe.after_state_written`), in `apply_updates` and `calibrate`.
+        """This layer switched to the program of the recipe its recipe becomes once the
+        state is written (`AbstractScalingRecipe.after_state_written`), in `apply_updates`
+        and `calibrate`: `calibrating` becomes 0.0.
 
         For `DelayedScaling(calibrate_first_call=True)` that is the recipe without
         first-call calibration: the calibrating program, which a fresh layer's first step
         needs, picks per tensor between the scale from its own amax and the scale from its
         history, and XLA:GPU turns that small conditional into a `select` of both, so every
-        FP8 cast would wait on a reduction of its own input on every step. The layer's
-        static settings say which program to build instead: the first step is traced with
-        calibration, the state it writes fills the histories, and the step after it
-        compiles once more, to the program of delayed scaling alone. Inside a trace the
+        FP8 cast would wait on a reduction of its own input on every step. `calibrating`,
+        static under `eqx.filter_jit`, says which program to build instead: the
+        first step is traced with calibration, the state it writes fills the histories,
+        and the step after it compiles once more, to the program of delayed scaling alone.
+        (A leaf rather than a static field: the pytree structure, and with it an
+        optimiser state built from the whole model, stays the same.) Inside a trace the
         switch can only follow what the trace saw: every layer the gradient reaches is
         switched, and one that did not run in its first step (unused by the loss, or in
         the branch of a `lax.cond` not taken), or saw only zeros or NaNs, starts from scale
         1 when it first runs (Haliax's and Flax's first step), and follows its history
         after that. Written eagerly (`calibrate` does), the state is concrete and a layer
         is switched only once all three of its states have observed (`state_observed`)."""
-        recipe = self.settings.recipe
-        settled = recipe.after_state_written()
-        if settled is recipe:
+        if self.settled:
             return self
-        return dataclasses.replace(self, settings=dataclasses.replace(self.settings, recipe=settled))
+        return eqx.tree_at(lambda m: m.calibrating, self, _SETTLED)
 
     # Haliax state dicts (`haliax.state_dict.to_state_dict`, Hugging Face export) hold
     # weights only: the FP8 state is training state, kept by training checkpoints

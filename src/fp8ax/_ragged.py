@@ -412,16 +412,17 @@ class Fp8RaggedDot(Fp8DotGeneral):
         settings: GemmSettings | None = None,
         per_expert_weights=False,
         per_group_tokens=False,
+        calibrating=None,
         **changes,
     ):
         """Builds the module from its state and settings; most code wants
         [`fp8ax.Fp8RaggedDot.init`][] instead."""
-        super().__init__(lhs, rhs, grad, settings, **changes)
         for name, value in (("per_expert_weights", per_expert_weights), ("per_group_tokens", per_group_tokens)):
             if not isinstance(value, bool):
                 raise TypeError(f"`{name}` must be a bool, got {value!r}.")
         self.per_expert_weights = per_expert_weights
-        self.per_group_tokens = per_group_tokens
+        self.per_group_tokens = per_group_tokens  # before `layer_batch_shape` is read
+        super().__init__(lhs, rhs, grad, settings, calibrating, **changes)
 
     @property
     def layer_batch_shape(self) -> tuple[int, ...]:
@@ -539,7 +540,7 @@ class Fp8RaggedDot(Fp8DotGeneral):
         """
         if group_offset is not None:
             raise NotImplementedError("`group_offset` is not supported by `Fp8RaggedDot`; pass None.")
-        st = self.settings
+        st = self._program_settings()
         lhs = _check_operand(lhs, "lhs")
         rhs = _check_operand(rhs, "rhs")
         if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:

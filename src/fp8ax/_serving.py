@@ -521,7 +521,7 @@ def _convert_gemm(
     """The stored weight (encoded) and the serving dot general of one FP8 GEMM whose
     weight `w` (`n_batch` leading stacked dims) the training forward passes as `rhs`,
     contracting `contracting` (axes of one stacked entry)."""
-    st = dg.settings
+    st = dg._program_settings()  # what the training forward ran
     recipe = st.operand_recipe("rhs")
     if recipe is None or "fwd" in st.high_precision_gemms:
         raise ValueError(
@@ -616,7 +616,7 @@ def _convert_haliax(layer: str, lin: hnn.Linear, check: bool) -> ServingHaliaxLi
 
 def _convert_moe(layer: str, lin: Fp8MoELinear, check: bool) -> ServingMoELinear:
     rg = lin.ragged
-    st = rg.settings
+    st = rg._program_settings()
     if st.operand_recipe("rhs") is None or "fwd" in st.high_precision_gemms:
         raise ValueError(
             f"Layer `{layer}` keeps its expert weights in high precision in the forward GEMM, so it has no "

@@ -137,7 +137,7 @@ class _Capture(eqx.Module):
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
         out = self.inner(lhs, rhs, dimension_numbers, precision, preferred_element_type)
-        st = self.inner.settings
+        st = self.inner._program_settings()
         if "fwd" in st.high_precision_gemms:
             return out
         # The counts need no derivative (and `fn` may differentiate through here).
