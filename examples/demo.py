@@ -114,8 +114,7 @@ def main(steps: int = 400, every: int | None = None, batch: int = 256, lr: float
     get_batch = eqx.filter_jit(make_batch)
     opt_states = {}
     for name, m in models.items():
-        _, trainable = fp8ax.partition_for_grad_overwrite(m)
-        opt_states[name] = opt.init(trainable)
+        opt_states[name] = opt.init(eqx.filter(m, eqx.is_array))
 
     print(f"fp8ax {fp8ax.__version__}, JAX {jax.__version__} on {jax.default_backend()}")
     print(f"MLP {In.size} -> {Mid.size} -> {Out.size}, batch {batch}, Adam lr {lr}, {steps} steps")

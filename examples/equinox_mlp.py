@@ -50,9 +50,8 @@ def main(steps: int = 100):
     model = eqx.nn.MLP(in_size=32, out_size=8, width_size=128, depth=2, key=k_model)
     model = fp8ax.fp8_linear_layers(model)  # layers.0, layers.1, layers.2 -> fp8ax.Fp8Linear
 
-    _, trainable = fp8ax.partition_for_grad_overwrite(model)
     # eqx.nn.MLP also holds its activation functions: give the optimiser only the arrays.
-    opt_state = opt.init(eqx.filter(trainable, eqx.is_inexact_array))
+    opt_state = opt.init(eqx.filter(model, eqx.is_array))
     # --8<-- [end:convert]
     print("layers:", [type(layer).__name__ for layer in model.layers])
 

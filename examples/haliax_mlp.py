@@ -85,8 +85,7 @@ def main(steps: int = 100, microbatches: int = 1):
     model = MLP.init(key=k_model)
     model = fp8ax.fp8_linear_layers(model)  # every linear layer; see fp8ax.Fp8Config(targets=...)
 
-    _, trainable = fp8ax.partition_for_grad_overwrite(model)  # the model without its FP8 state
-    opt_state = opt.init(trainable)
+    opt_state = opt.init(eqx.filter(model, eqx.is_array))  # as Equinox does it
     # --8<-- [end:convert]
 
     evaluate = eqx.filter_jit(loss_fn)

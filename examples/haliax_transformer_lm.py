@@ -236,8 +236,7 @@ def main(
     step = make_step(opt)
     opt_states = {}
     for name, m in models.items():
-        _, trainable = fp8ax.partition_for_grad_overwrite(m)
-        opt_states[name] = opt.init(trainable)
+        opt_states[name] = opt.init(eqx.filter(m, eqx.is_array))
 
     n_params = sum(x.size for x in jax.tree.leaves(eqx.filter(models["bf16"], eqx.is_inexact_array)))
     print(f"fp8ax {fp8ax.__version__}, JAX {jax.__version__} on {jax.default_backend()}")

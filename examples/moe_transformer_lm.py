@@ -141,7 +141,7 @@ def main(steps=300, batch=32, seq=64, embed=64, heads=4, layers=2, experts=4, to
     }
     opt = optax.adam(lr)
     step = make_step(opt)
-    opt_states = {name: opt.init(fp8ax.partition_for_grad_overwrite(m)[1]) for name, m in models.items()}
+    opt_states = {name: opt.init(eqx.filter(m, eqx.is_array)) for name, m in models.items()}
 
     print(f"fp8ax {fp8ax.__version__}, JAX {jax.__version__} on {jax.default_backend()}")
     print(

@@ -72,8 +72,7 @@ def main(steps: int = 100):
     batch = (x, y)
 
     model = ResidualMLP.init(key=k_model)
-    _, trainable = fp8ax.partition_for_grad_overwrite(model)
-    opt_state = opt.init(trainable)
+    opt_state = opt.init(eqx.filter(model, eqx.is_array))
 
     evaluate = eqx.filter_jit(loss_fn)
     every = max(1, steps // 5)

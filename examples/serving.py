@@ -84,7 +84,7 @@ def main(steps=300, batch=32, seq=64, embed=64, heads=4, layers=2, lr=3e-3, seed
     # Train both, as haliax_transformer_lm.py does (same batches, Adam).
     opt = optax.adam(lr)
     step = make_step(opt)
-    opt_states = {name: opt.init(fp8ax.partition_for_grad_overwrite(m)[1]) for name, m in models.items()}
+    opt_states = {name: opt.init(eqx.filter(m, eqx.is_array)) for name, m in models.items()}
     get_batch = jax.jit(windows, static_argnums=(2, 3))
     starts = jax.random.randint(k_data, (steps, batch), 0, len(train_ids) - seq - 1)
     print(

@@ -151,8 +151,7 @@ def train_step(model, opt_state, tokens):
 
 def init(config):
     model = fp8ax.fp8_linear_layers(TinyLM.init(key=jax.random.PRNGKey(0)), config)
-    _, trainable = fp8ax.partition_for_grad_overwrite(model)
-    return model, opt.init(trainable)
+    return model, opt.init(eqx.filter(model, eqx.is_array))
 
 
 def main(steps: int = 30):
