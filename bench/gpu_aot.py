@@ -22,8 +22,9 @@ as bench/gpu.py):
 in the variants ``bf16``; ``haliax_fp8`` (Haliax's own FP8); ``fp8ax_direct`` and
 ``fp8ax_qdq`` (fp8ax's training step in its two modes: the program every step after the
 first runs, and the first step after ``fp8ax.calibrate``; its layers run
-``DelayedScaling(calibrate_first_call=False)``, which ``fp8ax.apply_updates`` switches a
-layer to once its state is written, so it is built that way here, without data);
+``DelayedScaling(calibrate_first_call=False)``, the program ``fp8ax.apply_updates``
+switches a layer to once its state is written, so it is built that way here, without
+data);
 ``fp8ax_direct_first`` and ``fp8ax_qdq_first`` (the first step of a fresh model, which
 calibrates each scale on its tensor's own amax and is compiled once).
 

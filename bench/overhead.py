@@ -123,7 +123,8 @@ def make_step(variant: str, opt: optax.GradientTransformation) -> Callable:
 
 
 def opt_params(model, variant: str):
-    """The trainable part of `model` the optimiser sees (FP8 state removed)."""
+    """What the optimiser state is built from: the arrays of `model` as the partition
+    leaves them (fp8ax: the FP8 state as zeros; Haliax: removed)."""
     partition = haxq.partition_for_grad_overwrite if variant == "haliax" else fp8ax.partition_for_grad_overwrite
     _, params = partition(model)
     return eqx.filter(params, eqx.is_inexact_array)
