@@ -28,8 +28,9 @@ def partition_for_grad_overwrite(tree: T) -> tuple[T, T]:
     gradient is zero. Give `rest` to the optimiser and `overwrite` to
     [`fp8ax.apply_updates`][], which ignores whatever the optimiser makes of those zeros.
 
-    `rest` has the model's structure, so an optimiser state built from the whole model,
-    as Equinox's examples build it, matches it on every step:
+    `rest` has the structure of the model's arrays (`eqx.filter(model, eqx.is_array)`),
+    so an optimiser state built from the whole model, as Equinox's examples build it,
+    matches it on every step:
 
     !!! Example
 
@@ -42,8 +43,9 @@ def partition_for_grad_overwrite(tree: T) -> tuple[T, T]:
         model = fp8ax.apply_updates(model, updates, overwrite)
         ```
 
-    The optimiser keeps moments for the FP8 state (all zero; a few kilobytes per layer:
-    the amax histories are the largest part). An optimiser state built from
+    The optimiser keeps moments for the FP8 state, all zero: 12,300 bytes per layer and
+    moment with the default history length (bench/optimizer_state.py). An optimiser
+    state built from
     `partition_for_grad_overwrite(model)[1]`, as earlier versions of these docs did, has
     the same structure.
     """
