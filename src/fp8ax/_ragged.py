@@ -417,12 +417,12 @@ class Fp8RaggedDot(Fp8DotGeneral):
     ):
         """Builds the module from its state and settings; most code wants
         [`fp8ax.Fp8RaggedDot.init`][] instead."""
+        super().__init__(lhs, rhs, grad, settings, calibrating, **changes)
         for name, value in (("per_expert_weights", per_expert_weights), ("per_group_tokens", per_group_tokens)):
             if not isinstance(value, bool):
                 raise TypeError(f"`{name}` must be a bool, got {value!r}.")
         self.per_expert_weights = per_expert_weights
-        self.per_group_tokens = per_group_tokens  # before `layer_batch_shape` is read
-        super().__init__(lhs, rhs, grad, settings, calibrating, **changes)
+        self.per_group_tokens = per_group_tokens
 
     @property
     def layer_batch_shape(self) -> tuple[int, ...]:
