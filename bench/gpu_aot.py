@@ -20,13 +20,13 @@ as bench/gpu.py):
   merge the q, k and v projections into one);
 
 in the variants ``bf16``; ``haliax_fp8`` (Haliax's own FP8); ``fp8ax_direct`` and
-``fp8ax_qdq`` (fp8ax's training step in its two modes: the program every step after the
-first runs, and the first step after ``fp8ax.calibrate``; its layers run
-``DelayedScaling(calibrate_first_call=False)``, the program ``fp8ax.apply_updates``
-switches a layer to once its state is written, so it is built that way here, without
-data);
-``fp8ax_direct_first`` and ``fp8ax_qdq_first`` (the first step of a fresh model, which
-calibrates each scale on its tensor's own amax and is compiled once).
+``fp8ax_qdq`` (fp8ax's training step in its two modes with
+``DelayedScaling(calibrate_first_call=False)``: every cast uses the scale its state
+gives);
+``fp8ax_direct_first`` and ``fp8ax_qdq_first`` (the default,
+``calibrate_first_call=True``: one program for every step, whose casts pick their scale
+with a ``select`` between the tensor's own amax and its history; until 2026-11-26 this
+was a separate program for a fresh model's first step).
 
 Per variant (see bench/gpu_hlo.py for the exact definitions): GEMMs, FP8 GEMMs and the
 path each took, GEMM output dtypes, kernels, HBM bytes of the non-GEMM kernels, FP8 casts

@@ -9,7 +9,7 @@ the top 2 of 8 experts per token, the tokens' copies are sorted by expert, and t
 `haliax.nn.MoELinear` layers (Embed -> Mlp -> Embed, bf16 weights) run as grouped GEMMs,
 trained with a mean-squared-error loss and SGD in one `eqx.filter_jit` step. Variants:
 `bf16` (plain) and `fp8` (`fp8ax.fp8_linear_layers`: `fp8ax.Fp8MoELinear`, delayed scaling,
-per-expert weight scales, calibrated once so that the settled program is measured).
+per-expert weight scales, calibrated once so that the histories are filled).
 
 CPU: the median step time over interleaved rounds (one step of each variant per round,
 `jax.block_until_ready`), after warm-up. On a CPU FP8 is emulated: this is the cost of the

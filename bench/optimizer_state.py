@@ -9,8 +9,7 @@
 in place of each FP8 module, the module filled with float32 zeros (it used to hold
 `None`). The optimiser state can then be built from the whole model, but it carries
 moments for the FP8 state (per layer three scales and three amax histories of 1024
-float32; the program switch `calibrating` is a bool, not an array, and stays out) and
-computes updates for it, which
+float32) and computes updates for it, which
 `fp8ax.apply_updates` ignores. Two variants of the same `eqx.filter_jit` train step
 (MSE loss, `optax.adamw(1e-3, weight_decay=0.1)` with `params=model`,
 `fp8ax.apply_updates`):
@@ -22,7 +21,7 @@ computes updates for it, which
 
 The model: `haliax.nn.Stacked` residual MLP blocks (Embed -> Mlp -> Embed, two bias-free
 `haliax.nn.Linear`, GELU) and a linear head, converted by `fp8ax.fp8_linear_layers`
-(DelayedScaling) and settled by `fp8ax.calibrate` on one batch.
+(DelayedScaling) and calibrated by `fp8ax.calibrate` on one batch.
 
 Reported: the optimiser state bytes of each variant and their difference (per FP8 layer
 too). CPU: the median step time over interleaved rounds (one step of each variant per

@@ -136,8 +136,8 @@ def build_model(variant: str, base: Mlp, dtype, batch=None) -> Mlp:
     if variant == "fp8ax":
         return fp8ax.cast_floating(fp8ax.fp8_linear_layers(base), dtype)
     if variant == "fp8ax-cal":
-        # Histories filled by `fp8ax.calibrate` on one batch: the step compiles without
-        # the first-call conditional (pure delayed scaling).
+        # Histories filled by `fp8ax.calibrate` on one batch: the same one program as
+        # `fp8ax`, whose first step then takes its scales from the histories.
         return fp8ax.calibrate(build_model("fp8ax", base, dtype), loss_fn, [batch])
     if variant == "haliax":
         # Cast first: Haliax's Fp8DotGeneralOp state must stay float32, and a blanket

@@ -162,7 +162,7 @@ def main(steps=300, batch=32, seq=64, embed=64, heads=4, layers=2, experts=4, to
             t0 = time.perf_counter()
             models[name], opt_states[name], loss = step(models[name], opt_states[name], inputs, targets)
             losses[name].append(float(loss))  # waits for the step
-            if i >= 2:  # after the compilations (the FP8 run compiles twice: calibrating, then settled)
+            if i >= 2:  # after the compilation (each run compiles its step once) and a warm-up step
                 seconds[name] += time.perf_counter() - t0
         if i == 0 or (i + 1) % every == 0 or i + 1 == steps:
             print(f"{i + 1:6d}  {losses['bf16'][-1]:9.4f}  {losses['fp8'][-1]:9.4f}")

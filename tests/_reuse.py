@@ -563,16 +563,15 @@ def data_for(seed: int, nan: bool = False) -> dict:
 
 
 def _fp8(tree):
-    """The FP8 part of a gradient tree or model: {path: array} of every state leaf (not
-    the program switch `calibrating`, a bool in a model and None in a gradient)."""
+    """The FP8 part of a gradient tree or model: {path: array} of every state leaf."""
     overwrite, _ = fp8ax.partition_for_grad_overwrite(tree)
     return {jtu.keystr(p): np.asarray(v) for p, v in jtu.tree_leaves_with_path(eqx.filter(overwrite, eqx.is_array))}
 
 
 @functools.cache
 def _model(entry_name: str, trained: bool):
-    """`{"used": layer, "spare": layer}`; trained: one calibrating step on other data, so
-    the histories are filled and the step runs delayed scaling."""
+    """`{"used": layer, "spare": layer}`; trained: one step on other data, so the
+    histories are filled and the step's scales come from them."""
     entry = ENTRIES[entry_name]
     k1, k2, k3, k4 = jax.random.split(jax.random.key(7), 4)
     model = {"used": entry.make(k1), "spare": entry.make(k2)}

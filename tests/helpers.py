@@ -119,8 +119,6 @@ def f32(x):
 # ------------------------------------------------------------------------------------
 # Data flow of a traced training step (test_pipeline.py, test_calibrate.py)
 
-# `lax.cond(history_empty, calibrating, delayed, x)`: branch 0 is the false one.
-DELAYED, CALIBRATING = 0, 1
 _FP8 = {np.dtype(t) for t in (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz)}
 
 
@@ -216,19 +214,6 @@ def walk_train_step(model, x) -> _Walk:
     return walk
 
 
-def settled(tree):
-    """`tree` with every FP8 layer switched the way `fp8ax.apply_updates` switches a layer
-    whose state it writes (its `calibrating` leaf 0.0): for comparing a trained model
-    with a gradient tree (where `calibrating` is None), or with a checkpoint that did not
-    save it (an Orbax checkpoint of `eqx.filter(model, eqx.is_array)`)."""
-    is_dg = lambda x: isinstance(x, fp8ax.Fp8DotGeneral)  # noqa: E731
-
-    def switch(x):
-        return dataclasses.replace(x, calibrating=0.0) if is_dg(x) and x._has_first_call() else x
-
-    return jax.tree.map(switch, tree, is_leaf=is_dg)
-
-
 def without_fp8(tree):
     """The arrays of `tree` with None in place of each FP8 module: the parameters (or
     their gradients) alone, as `fp8ax.partition_for_grad_overwrite` gave them before it
@@ -238,12 +223,12 @@ def without_fp8(tree):
 
 
 def with_settings_of(template, model):
-    """`model`'s arrays in `template`'s FP8 settings and program (`calibrating`), as
+    """`model`'s arrays in `template`'s FP8 settings, as
     restoring a checkpoint of `model`'s arrays only (Orbax, of
     `eqx.filter(model, eqx.is_array)`) into the freshly converted `template` gives."""
     is_dg = lambda x: isinstance(x, fp8ax.Fp8DotGeneral)  # noqa: E731
 
     def take(t, m):
-        return dataclasses.replace(m, settings=t.settings, calibrating=t.calibrating) if is_dg(m) else m
+        return dataclasses.replace(m, settings=t.settings) if is_dg(m) else m
 
     return jax.tree.map(take, template, model, is_leaf=is_dg)

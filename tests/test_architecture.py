@@ -31,7 +31,6 @@ LAYERS = [
         "_layout",
         "_maxgrad",
         "_boundaries",
-        "_hostcheck",
         "_haliax_compat",
         "_accumulation",
     },

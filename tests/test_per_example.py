@@ -81,7 +81,7 @@ def test_per_example_gradients_equal_the_batched_call(recipe, getkey):
     # the new state is the same merged observation.
     lin = _linear(getkey, recipe)
     x = jax.random.normal(getkey(), (B, IN))
-    for _ in range(2):  # a fresh layer (calibrating) and one with filled histories
+    for _ in range(2):  # a fresh layer (calibrating on its first call) and one with filled histories
         g_ex = jax.jit(lambda m: _grads(m, x, per_example=True))(lin)
         g_b = jax.jit(lambda m: _grads(m, x, per_example=False))(lin)
         for a, b in zip(jax.tree.leaves(g_ex), jax.tree.leaves(g_b)):

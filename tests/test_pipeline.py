@@ -1,10 +1,9 @@
-"""The quantise-then-GEMM pipeline: true delayed scaling in the traced step, and the one
-settings object."""
+"""The quantise-then-GEMM pipeline: true delayed scaling in the traced step, the one program
+of first-call calibration, and the one settings object."""
 
 import dataclasses
 import subprocess
 import sys
-import warnings
 
 import equinox as eqx
 import jax
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 
 import fp8ax
-from helpers import CALIBRATING, DELAYED, train_step, with_settings_of
+from helpers import train_step
 from helpers import walk_train_step as _walk_step
 
 
@@ -23,38 +22,30 @@ def _model(getkey, recipe=None):
 
 
 def test_delayed_scaling_casts_do_not_wait_for_their_amax(getkey):
-    """With filled histories, no FP8 cast in the step depends on any tensor's amax: each
-    tensor is quantised with the scale its state gives, and its amax (for the next state)
-    is computed beside the cast."""
+    """Without first-call calibration no FP8 cast in the step depends on any tensor's
+    amax, fresh or filled: each tensor is quantised with the scale its state gives, and
+    its amax (for the next state) is computed beside the cast."""
+    fresh = _model(getkey, fp8ax.DelayedScaling(calibrate_first_call=False))
+    x = jax.random.normal(getkey(), (32, 8))
+    for model in (fresh, eqx.filter_jit(train_step)(fresh, x)):
+        walk = _walk_step(model, x)
+        # 3 layers x (input, kernel, output gradient), each quantised once.
+        assert len(walk.converts) == 9
+        assert walk.amaxes >= 9  # every tensor's amax is still computed, for the state
+        assert walk.branches == []
+        assert not any(walk.converts)
+
+
+def test_first_call_calibration_is_one_program_whose_casts_wait(getkey):
+    # The same walk finds the dependence where it exists: with `calibrate_first_call` (the
+    # default) each scale is a `select` between the tensor's own amax and its history,
+    # on a fresh model and after the first step alike (one program, no conditional).
     fresh = _model(getkey)
     x = jax.random.normal(getkey(), (32, 8))
-    model = eqx.filter_jit(train_step)(fresh, x)  # the first step fills the histories
-    walk = _walk_step(model, x)
-    # 3 layers x (input, kernel, output gradient), each quantised once.
-    assert len(walk.converts) == 9
-    assert walk.amaxes >= 9  # every tensor's amax is still computed, for the state
-    # Writing the state switched the layers to delayed scaling alone: no conditional.
-    assert walk.branches == []
-    assert not any(walk.converts)
-
-    # The filled state in a fresh layer's settings (a checkpoint loaded into a freshly
-    # converted model) runs the calibrating program: two conditionals per layer (one for
-    # both forward operands, one for the output gradient), and the delayed branch every
-    # time: nothing calibrates, no cast waits.
-    reloaded = with_settings_of(fresh, model)
-    walk = _walk_step(reloaded, x)
-    assert walk.branches == [DELAYED] * 6
-    assert len(walk.converts) == 9 and not any(walk.converts)
-
-
-def test_first_step_calibrates_on_its_own_amax(getkey):
-    # The same walk finds the dependence where it exists: a fresh model's first step
-    # calibrates each scale on the tensor's own amax (the default, calibrate_first_call).
-    model = _model(getkey)
-    x = jax.random.normal(getkey(), (32, 8))
-    walk = _walk_step(model, x)
-    assert walk.branches == [CALIBRATING] * 6
-    assert len(walk.converts) == 9 and all(walk.converts)
+    for model in (fresh, eqx.filter_jit(train_step)(fresh, x)):
+        walk = _walk_step(model, x)
+        assert walk.branches == []
+        assert len(walk.converts) == 9 and all(walk.converts)
 
 
 def test_current_scaling_casts_depend_on_their_amax(getkey, monkeypatch):
@@ -190,60 +181,6 @@ def test_forward_operands_are_quantised_together(getkey, monkeypatch):
 
     eqx.filter_jit(eqx.filter_grad(loss)).lower(dgs)
     assert groups == [2, 2, 2, 1, 1, 1]
-
-
-def test_layers_of_one_shape_are_watched_apart(getkey, monkeypatch):
-    # Five fresh layers of one shape each calibrate once, which is not one layer
-    # calibrating five times (a trace cache keyed by shape would make it look so).
-    monkeypatch.setattr(fp8ax._recipes._StaleWatch, "warned", False)
-    monkeypatch.setattr(fp8ax._recipes, "STALE_CALLS", 3)
-    layers = fp8ax.fp8_linear_layers([eqx.nn.Linear(8, 8, key=getkey()) for _ in range(5)])
-    x = jax.random.normal(getkey(), (4, 8))
-
-    def loss(layers):
-        y = x
-        for layer in layers:
-            y = jax.vmap(layer)(y)
-        return jnp.sum(y**2)
-
-    @eqx.filter_jit
-    def step(layers):
-        overwrite, _ = fp8ax.partition_for_grad_overwrite(eqx.filter_grad(loss)(layers))
-        return fp8ax.apply_updates(layers, None, overwrite)
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        layers = step(layers)
-        jax.effects_barrier()
-    assert not caught
-    assert all(float(jnp.max(layer.dot_general.grad.amax_history)) > 0 for layer in layers)
-
-
-class _HostOnly:
-    """An array the callback may read through NumPy only: a jax method call (`np.any` of a
-    `jax.Array` calls `.any()`, a jitted computation) fails the test."""
-
-    def __init__(self, value):
-        self.value = np.asarray(value)
-
-    def __array__(self, dtype=None, copy=None):
-        return self.value
-
-    def any(self, *args, **kwargs):
-        raise AssertionError("the stale-state callback ran a computation on the device")
-
-
-def test_stale_watch_runs_nothing_on_the_device():
-    # Regression: a computation dispatched from inside the host callback waits for the
-    # executable that called back; on 8 CPU devices that deadlocked the sharded tests
-    # (XLA aborts after 40 s), about one run in six on a loaded 2-core machine.
-    watch = fp8ax._recipes._StaleWatch()
-    watch.tick((_HostOnly(False), _HostOnly([False, True])), (_HostOnly(False), _HostOnly([False, False])))
-    assert watch.calls == 1
-    watch.tick((_HostOnly(False),), (_HostOnly(False),))
-    assert watch.calls == 1
-    with pytest.raises(ValueError, match="optimiser|optimizer"):
-        watch.tick((_HostOnly(True),), (_HostOnly([False, True]),))
 
 
 def _frames(frame):

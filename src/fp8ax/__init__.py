@@ -77,6 +77,9 @@ from ._update import (
     apply_updates as apply_updates,
 )
 from ._update import (
+    check_state as check_state,
+)
+from ._update import (
     partition_for_grad_overwrite as partition_for_grad_overwrite,
 )
 

@@ -1,4 +1,3 @@
-import dataclasses
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
@@ -6,7 +5,7 @@ import equinox as eqx
 import jax.tree_util as jtu
 
 from ._dot_general import Fp8DotGeneral
-from ._update import apply_updates, partition_for_grad_overwrite
+from ._update import apply_updates, check_state, partition_for_grad_overwrite
 
 T = TypeVar("T")
 
@@ -15,24 +14,18 @@ def _is_dg(x: Any) -> bool:
     return isinstance(x, Fp8DotGeneral)
 
 
-def calibrate(model: T, loss_fn: Callable[..., Any], batches: Iterable[Any], *, keep_first_call: bool = False) -> T:
+def calibrate(model: T, loss_fn: Callable[..., Any], batches: Iterable[Any]) -> T:
     """Fills the delayed-scaling histories of a converted model from a few batches,
     without changing any weight.
 
     For each batch it runs `eqx.filter_grad(loss_fn)(model, *batch)` under
     `eqx.filter_jit` and writes the new FP8 state only (as
     [`fp8ax.apply_updates`][]`(model, None, overwrite)`); the parameter gradients are
-    discarded. Writing the state switches every layer the batches reached to its settled
-    program (`dg.settled`; for `DelayedScaling`, without `calibrate_first_call`), as the
-    first training step would (see [`fp8ax.apply_updates`][]), so the training step
-    compiles once, straight to
-    the program of delayed scaling: each tensor is cast with the scale its history
-    gives, with no conditional and nothing that waits on the tensor's amax (see the
-    "How it works" page). Layers the batches did not reach keep their settings.
-
-    The switch changes each layer's `calibrating` leaf (a Python float), so a jitted step
-    compiles once more; the pytree structure stays the same, and an optimiser state
-    built from the model before or after calibrating works either way.
+    discarded. Training does not need it (a fresh layer's first step calibrates on its
+    own tensors, in the same program as every later step); it serves post-training
+    quantisation ([`fp8ax.to_serving`][] needs filled histories), and a first training
+    step that should already use delayed scales. Layers the batches did not reach keep
+    their state.
 
     **Arguments:**
 
@@ -41,8 +34,6 @@ def calibrate(model: T, loss_fn: Callable[..., Any], batches: Iterable[Any], *, 
       gradient's FP8 part is used (the output-gradient histories record its gradients).
     - `batches`: an iterable of batches; each is a tuple of arguments for `loss_fn`
       after the model, or one argument.
-    - `keep_first_call`: keep every layer's program as it was (its `calibrating` leaf;
-      only fill the histories). (Keyword only argument.)
 
     **Returns:**
 
@@ -64,8 +55,6 @@ def calibrate(model: T, loss_fn: Callable[..., Any], batches: Iterable[Any], *, 
         raise TypeError(
             f"`loss_fn` must be a callable `loss_fn(model, *batch) -> scalar`, got {type(loss_fn).__name__}."
         )
-    if not isinstance(keep_first_call, bool):
-        raise TypeError(f"`keep_first_call` must be a bool, got {keep_first_call!r}.")
     stateful = [dg for dg in jtu.tree_leaves(model, is_leaf=_is_dg) if _is_dg(dg) and dg.lhs is not None]
     if not stateful:
         raise ValueError(
@@ -73,8 +62,8 @@ def calibrate(model: T, loss_fn: Callable[..., Any], batches: Iterable[Any], *, 
             "stateful recipe (`fp8ax.DelayedScaling`, the default) first."
         )
 
+    check_state(model)  # refuses a state that went through an optimiser
     grad_fn = eqx.filter_jit(eqx.filter_grad(loss_fn))
-    original = model
     n = 0
     for batch in batches:
         grads = grad_fn(model, *(batch if isinstance(batch, tuple) else (batch,)))
@@ -83,12 +72,4 @@ def calibrate(model: T, loss_fn: Callable[..., Any], batches: Iterable[Any], *, 
         n += 1
     if n == 0:
         raise ValueError("`batches` is empty: give at least one batch to calibrate on.")
-    if not keep_first_call:
-        return model  # `apply_updates` has switched every layer the batches reached
-
-    def keep(before, after):
-        if _is_dg(after) and _is_dg(before):
-            return dataclasses.replace(after, calibrating=before.calibrating)
-        return after
-
-    return jtu.tree_map(keep, original, model, is_leaf=_is_dg)
+    return model

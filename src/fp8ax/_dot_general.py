@@ -14,14 +14,12 @@ from ._boundaries import check_eager_shard_map
 from ._layout import DimensionNumbers, check_dimension_numbers
 from ._maxgrad import is_max
 from ._pipeline import Call, quantized_dot, vma
-from ._recipes import AbstractScalingRecipe
+from ._recipes import CORRUPT_STATE, AbstractScalingRecipe
 from ._settings import GemmKeywords, GemmSettings, Mode, settings_from
 from ._state import AbstractState, OverwriteWithGradient
 
 # The names of GemmSettings' fields, read through the module and the config.
 _SETTINGS_FIELDS = tuple(f.name for f in dataclasses.fields(GemmSettings))
-# `Fp8DotGeneral.calibrating` of a fresh layer and of a written one.
-_FRESH, _SETTLED = 1.0, 0.0
 
 
 class Fp8DotGeneral(OverwriteWithGradient):
@@ -35,19 +33,12 @@ class Fp8DotGeneral(OverwriteWithGradient):
     ([`fp8ax.CurrentScaling`][], [`fp8ax.MXScaling`][], [`fp8ax.Int8Scaling`][]) the three
     fields are `None` and the module has no array leaves.
 
-    A recipe with a first-call mode (`DelayedScaling(calibrate_first_call=True)`, the
-    default) adds one more leaf, `calibrating`: a Python float, 1.0 while the layer has
-    never been written, 0.0 once [`fp8ax.apply_updates`][] or [`fp8ax.calibrate`][] has
-    written its state. It picks the program (see `settled` and `program_recipe`). Like
-    `eqx.nn.Dropout`'s `inference`, it is a leaf that is not an array: `eqx.filter_jit`
-    treats it as static (one program for each value), `eqx.filter(model, eqx.is_array)`
-    and `eqx.filter_grad` leave it out, and the module's pytree structure stays the same
-    when it changes, so an optimiser state built from the whole model
-    (`opt.init(eqx.filter(model, eqx.is_array))`) keeps matching the gradients. Where a
-    transformation traces it (`jax.jit` rather than `eqx.filter_jit`, a `lax.scan` carry)
-    the layer runs the first-call program, which is correct for a written state too, but
-    on XLA:GPU costs what the switch saves (see `_settled`). (A float rather than a bool
-    so that `jax.grad` of a function of the whole model accepts it.)
+    Its array leaves are exactly those states' arrays, whatever happens to the model
+    (`jax.device_put`, a `lax.scan` carry, `eqx.filter_vmap`, a checkpoint restore): a
+    training step is one program, the first step's included (see
+    [`fp8ax.DelayedScaling`][]'s `calibrate_first_call`), and an optimiser state built
+    from the whole model (`opt.init(eqx.filter(model, eqx.is_array))`) matches the
+    gradients on every step.
 
     Everything else is one static field, `settings` (an [`fp8ax.GemmSettings`][]); its
     fields can be read on the module too (`dg.recipe`, `dg.mode`, ...).
@@ -60,16 +51,13 @@ class Fp8DotGeneral(OverwriteWithGradient):
     lhs: AbstractState | None
     rhs: AbstractState | None
     grad: AbstractState | None
-    calibrating: float | None
     settings: GemmSettings = eqx.field(static=True)
 
-    def __init__(self, lhs, rhs, grad, settings: GemmSettings | None = None, calibrating=None, **changes):
+    def __init__(self, lhs, rhs, grad, settings: GemmSettings | None = None, **changes):
         """Builds the module from its state and settings; most code wants
         [`fp8ax.Fp8DotGeneral.init`][] instead. Keyword arguments named like a field of
         [`fp8ax.GemmSettings`][] replace that field of `settings` (so
-        `dataclasses.replace(dg, mode="qdq")` works). `calibrating` is set from the
-        settings: None for a recipe without a first-call mode, and for one with it the
-        value given, or if None, 1.0 (a fresh layer)."""
+        `dataclasses.replace(dg, mode="qdq")` works)."""
         settings = GemmSettings() if settings is None else settings
         if not isinstance(settings, GemmSettings):
             raise TypeError(f"`settings` must be an `fp8ax.GemmSettings`, got {type(settings).__name__}.")
@@ -81,42 +69,6 @@ class Fp8DotGeneral(OverwriteWithGradient):
             kwargs.update(changes)
             settings = GemmSettings(**kwargs)
         self.lhs, self.rhs, self.grad, self.settings = lhs, rhs, grad, settings
-        if not self._has_first_call():
-            calibrating = None
-        elif calibrating is None:
-            calibrating = _FRESH
-        self.calibrating = calibrating
-
-    def _has_first_call(self) -> bool:
-        # Only a stateful recipe whose settled program differs needs the switch.
-        recipe = self.settings.recipe
-        return self.lhs is not None and recipe.after_state_written() is not recipe
-
-    @property
-    def settled(self) -> bool:
-        """Whether the layer runs its settled program: its state has been written (by
-        [`fp8ax.apply_updates`][] or [`fp8ax.calibrate`][]), or its recipe has no
-        first-call mode."""
-        flag = self.calibrating
-        if flag is None:
-            return True
-        if isinstance(flag, jax.core.Tracer):
-            return False  # traced (`jax.jit`, a `lax.scan` carry): run the program that is right either way
-        return float(np.asarray(flag)) == _SETTLED
-
-    @property
-    def program_recipe(self) -> AbstractScalingRecipe:
-        """The recipe the layer's program runs now: `recipe`, or once the layer is
-        `settled`, `recipe.after_state_written()` (for `DelayedScaling`, the recipe
-        without `calibrate_first_call`)."""
-        recipe = self.settings.recipe
-        return recipe.after_state_written() if self.settled else recipe
-
-    def _program_settings(self) -> GemmSettings:
-        # The settings the GEMM pipeline builds this call's program from.
-        recipe = self.settings.recipe
-        program = self.program_recipe
-        return self.settings if program is recipe else dataclasses.replace(self.settings, recipe=program)
 
     def __check_init__(self):
         for name in ("lhs", "rhs", "grad"):
@@ -125,12 +77,6 @@ class Fp8DotGeneral(OverwriteWithGradient):
                     f"`{name}` must be a recipe's state (an `fp8ax.AbstractState`, such as `fp8ax.ScalingState`) or "
                     f"None, got {type(getattr(self, name)).__name__}."
                 )
-        flag = self.calibrating
-        if flag is not None and not (
-            isinstance(flag, jax.core.Tracer)
-            or (np.shape(flag) == () and np.asarray(flag).item() in (_FRESH, _SETTLED))
-        ):
-            raise TypeError(f"`calibrating` must be None, 1.0 (a fresh layer) or 0.0 (a written one), got {flag!r}.")
 
     # Read-only views of the settings, under the names users know.
     recipe = property(lambda self: self.settings.recipe, doc="The scaling recipe (`settings.recipe`).")
@@ -207,7 +153,7 @@ class Fp8DotGeneral(OverwriteWithGradient):
         arguments (bf16 operands give a bf16 result unless `preferred_element_type` says
         otherwise).
         """
-        st = self._program_settings()
+        st = self.settings
         lhs = _check_operand(lhs, "lhs")
         rhs = _check_operand(rhs, "rhs")
         if st.compute_dtype is not None:
@@ -217,6 +163,7 @@ class Fp8DotGeneral(OverwriteWithGradient):
         state_is_max = tuple(is_max(v) for v in raw)
         if any(state_is_max):
             check_eager_shard_map()
+        self._refuse_corrupt_state(raw)
         call = make_call(
             st,
             lhs.shape,
@@ -231,6 +178,38 @@ class Fp8DotGeneral(OverwriteWithGradient):
             rhs_vma=vma(rhs),
         )
         return quantized_dot(call, lhs, rhs, *raw)
+
+    def _state_problems(self, empty: bool = True) -> list[tuple[str, str]]:
+        """`(role, problem)` for each of `lhs`, `rhs`, `grad` whose state is `"corrupt"`
+        (values no fp8ax update writes: it went through an optimiser) or, if `empty`,
+        `"empty"` (it has observed nothing: the layer was never run, or its new state was
+        never written); for stacked layers, a problem of any entry. Reads the values:
+        concrete arrays only. Empty for a stateless recipe."""
+        if self.lhs is None:
+            return []
+        recipe = self.settings.recipe
+        out = []
+        for role in ("lhs", "rhs", "grad"):
+            fields = tuple(jax.tree.leaves(getattr(self, role)))
+            if any(isinstance(v, jax.core.Tracer) for v in fields):
+                raise ValueError("The FP8 state's values are read here, so this must be called outside `jax.jit`.")
+            fields = tuple(np.asarray(v) for v in fields)
+            if not np.all(recipe.state_valid(fields)):
+                out.append((role, "corrupt"))
+            elif empty and not np.all(recipe.state_observed(fields)):
+                out.append((role, "empty"))
+        return out
+
+    def _refuse_corrupt_state(self, raw: tuple) -> None:
+        # An eager call sees the state's values: it refuses one that went through an
+        # optimiser. (A traced step cannot raise without a host callback, which would
+        # keep JAX's persistent cache from storing it: it calibrates on such a state
+        # instead, and `fp8ax.check_state` reports it.)
+        if not raw or any(isinstance(v, jax.core.Tracer) for v in raw):
+            return
+        corrupt = [role for role, _ in self._state_problems(empty=False)]
+        if corrupt:
+            raise ValueError(f"FP8 state `{corrupt[0]}`: {CORRUPT_STATE}")
 
     def _raw_state(self) -> tuple:
         if self.lhs is None:
@@ -250,8 +229,7 @@ class Fp8DotGeneral(OverwriteWithGradient):
         return tuple(raw)
 
     def _overwritten_by(self, new: "Fp8DotGeneral") -> "Fp8DotGeneral":
-        # Used by `apply_updates`: take the new state of every layer the step used, and
-        # leave first-call calibration behind (see `_settled`).
+        # Used by `apply_updates`: take the new state of every layer the step used.
         if self.lhs is None:  # a stateless recipe: nothing to write
             return self
         states = (
@@ -259,41 +237,9 @@ class Fp8DotGeneral(OverwriteWithGradient):
             self.rhs._overwritten_by(new.rhs),
             self.grad._overwritten_by(new.grad),
         )
-        leaves = [leaf for s in states for leaf in jax.tree.leaves(s)]
-        if any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
-            base = self._settled()  # in a trace: what the trace saw (see `_settled`)
-        else:  # concrete (`calibrate`, an eager update): what the data says
-            recipe = self.settings.recipe
-            filled = all(bool(np.all(recipe.state_observed(tuple(jax.tree.leaves(s))))) for s in states)
-            base = self._settled() if filled else self
         return eqx.tree_at(
-            lambda m: (m.lhs, m.rhs, m.grad), base, states, is_leaf=lambda x: isinstance(x, AbstractState)
+            lambda m: (m.lhs, m.rhs, m.grad), self, states, is_leaf=lambda x: isinstance(x, AbstractState)
         )
-
-    def _settled(self) -> "Fp8DotGeneral":
-        """This layer switched to the program of the recipe its recipe becomes once the
-        state is written (`AbstractScalingRecipe.after_state_written`), in `apply_updates`
-        and `calibrate`: `calibrating` becomes 0.0.
-
-        For `DelayedScaling(calibrate_first_call=True)` that is the recipe without
-        first-call calibration: the calibrating program, which a fresh layer's first step
-        needs, picks per tensor between the scale from its own amax and the scale from its
-        history, and XLA:GPU turns that small conditional into a `select` of both, so every
-        FP8 cast would wait on a reduction of its own input on every step. `calibrating`,
-        static under `eqx.filter_jit`, says which program to build instead: the
-        first step is traced with calibration, the state it writes fills the histories,
-        and the step after it compiles once more, to the program of delayed scaling alone.
-        (A leaf rather than a static field: the pytree structure, and with it an
-        optimiser state built from the whole model, stays the same.) Inside a trace the
-        switch can only follow what the trace saw: every layer the gradient reaches is
-        switched, and one that did not run in its first step (unused by the loss, or in
-        the branch of a `lax.cond` not taken), or saw only zeros or NaNs, starts from scale
-        1 when it first runs (Haliax's and Flax's first step), and follows its history
-        after that. Written eagerly (`calibrate` does), the state is concrete and a layer
-        is switched only once all three of its states have observed (`state_observed`)."""
-        if self.settled:
-            return self
-        return eqx.tree_at(lambda m: m.calibrating, self, _SETTLED)
 
     # Haliax state dicts (`haliax.state_dict.to_state_dict`, Hugging Face export) hold
     # weights only: the FP8 state is training state, kept by training checkpoints

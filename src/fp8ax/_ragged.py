@@ -412,12 +412,11 @@ class Fp8RaggedDot(Fp8DotGeneral):
         settings: GemmSettings | None = None,
         per_expert_weights=False,
         per_group_tokens=False,
-        calibrating=None,
         **changes,
     ):
         """Builds the module from its state and settings; most code wants
         [`fp8ax.Fp8RaggedDot.init`][] instead."""
-        super().__init__(lhs, rhs, grad, settings, calibrating, **changes)
+        super().__init__(lhs, rhs, grad, settings, **changes)
         for name, value in (("per_expert_weights", per_expert_weights), ("per_group_tokens", per_group_tokens)):
             if not isinstance(value, bool):
                 raise TypeError(f"`{name}` must be a bool, got {value!r}.")
@@ -540,7 +539,7 @@ class Fp8RaggedDot(Fp8DotGeneral):
         """
         if group_offset is not None:
             raise NotImplementedError("`group_offset` is not supported by `Fp8RaggedDot`; pass None.")
-        st = self._program_settings()
+        st = self.settings
         lhs = _check_operand(lhs, "lhs")
         rhs = _check_operand(rhs, "rhs")
         if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
@@ -571,6 +570,7 @@ class Fp8RaggedDot(Fp8DotGeneral):
         state_is_max = tuple(is_max(v) for v in raw)
         if any(state_is_max):
             check_eager_shard_map()
+        self._refuse_corrupt_state(raw)
         if preferred_element_type is not None:
             preferred_element_type = np.dtype(preferred_element_type)
             if not jnp.issubdtype(preferred_element_type, jnp.floating):

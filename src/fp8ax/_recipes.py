@@ -9,8 +9,6 @@
 # otherwise decide per operand: delayed scaling's "does this call calibrate".
 
 import dataclasses
-import functools
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -22,7 +20,6 @@ from jaxtyping import Array, Float
 
 from . import _formats
 from ._boundaries import vma
-from ._hostcheck import HostCheckError, host_check
 from ._quantized import QuantizedArray, ScaleLayout
 from ._state import AbstractState, ScalingState
 
@@ -148,9 +145,8 @@ class AbstractScalingRecipe(eqx.Module):
     def state_observed(self, state: tuple[Array, ...]) -> np.ndarray:
         """Per stacked layer (a bool array of the state's batch shape): whether the state
         holds an observation, so that its scale comes from data. `fp8ax.to_serving`
-        refuses a state that has observed nothing, and `apply_updates` switches a layer to
-        its settled program (`after_state_written`) once all its states have observed.
-        Concrete arrays only. Stateful recipes must define it."""
+        refuses a state that has observed nothing. Concrete arrays only. Stateful recipes
+        must define it."""
         raise NotImplementedError(
             f"{type(self).__name__} defines no `state_observed`: a stateful recipe must say whether its state "
             "has seen data (a stateless one has no state to ask about)."
@@ -169,11 +165,6 @@ class AbstractScalingRecipe(eqx.Module):
 
     def _entry_ndims(self) -> tuple[int, ...]:
         return type(self.init_state()).entry_ndims
-
-    def after_state_written(self) -> "AbstractScalingRecipe":
-        """The recipe a layer uses once its states have all observed (`state_observed`):
-        the place to leave a first-call mode behind. The default is the recipe itself."""
-        return self
 
     def serving_scale(self, state: tuple[Array, ...], dtype: np.dtype) -> Array:
         """The dequantisation scale, frozen from one layer's state (no stacked dimensions),
@@ -269,143 +260,13 @@ class AbstractScalingRecipe(eqx.Module):
         ]
 
 
-_CORRUPT_STATE = (
+CORRUPT_STATE = (
     "fp8ax: an FP8 scaling state (scale, amax history) holds negative or non-finite values: "
     "it went through an optimiser as if it were a gradient and was added to by "
     "`eqx.apply_updates`. The gradient of an FP8 layer's state is its new value, which "
     "must replace the old one: split it off with "
     "`overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)`, give the optimiser "
     "`grads`, and apply both with `model = fp8ax.apply_updates(model, updates, overwrite)`."
-)
-
-
-STALE_CALLS = 100
-# A layer found fresh on this many training steps in a row is a dropped state.
-EARLY_STEPS = 3
-# Two calls see the same layer one training step apart when its weights moved by less
-# than this fraction of their size; fresh initialisations differ by about sqrt(2).
-_TRAINED_STEP = 0.5
-_SKETCH_SIZE = 64
-
-
-class _Ledger:
-    """What the host has seen, process-wide: how many times `fp8ax.apply_updates` was
-    called (it writes the state), and how many calibrating calls quantised an output
-    gradient (only a differentiated call does)."""
-
-    writes = 0
-    grad_calibrations = 0
-
-
-def record_state_write() -> None:
-    """Called by `fp8ax.apply_updates`, at trace time or eagerly."""
-    _Ledger.writes += 1
-
-
-def weight_sketch(x: Array) -> Array:
-    """Up to `_SKETCH_SIZE` evenly spaced entries of `x`, as float32: enough to tell a
-    weight one optimiser step away from a freshly initialised one."""
-    flat = x.reshape(-1)
-    stride = max(1, flat.size // _SKETCH_SIZE)
-    return lax.convert_element_type(flat[::stride][:_SKETCH_SIZE], np.float32)
-
-
-class _StaleWatch:
-    """On the host, in the calibrating branch of one traced call: raises on a corrupt
-    state, and tells a state that is never written from a fresh layer's first call.
-
-    A fresh layer calibrates once; once `fp8ax.apply_updates` writes its state, the step
-    recompiles without this branch. When the new state is dropped instead (split off by
-    `partition_for_grad_overwrite`, then left out by `eqx.apply_updates`), every step
-    calibrates again. Three signs together tell that apart from a sweep of fresh models
-    through one compiled step, or gradients of fresh models, or evaluations of fresh
-    conversions: the weight (`rhs`) seen by consecutive calls moved by an optimiser
-    step (less than `_TRAINED_STEP` of its size, and not zero), and between those calls
-    output gradients were quantised by calibrating calls (training, not evaluation) and
-    `fp8ax.apply_updates` was not called. After `EARLY_STEPS`
-    such calls the watch warns, once per process. Without the weight (a recipe called
-    directly) it warns after `STALE_CALLS` calibrating calls of one compiled program.
-
-    Under `vmap` with batched state (an ensemble) the conditional becomes a `select`
-    that runs both branches for every member, and the callback runs once with every
-    member's flags: a call counts if a member's history is empty. The callback is
-    `_hostcheck.host_check`, which a program compiled ahead of time for a machine this
-    process cannot run leaves out (with a warning)."""
-
-    warned = False
-    warned_early = False
-
-    def __init__(self, roles=()):
-        self.calls = 0
-        self.is_grad = "grad" in roles
-        self.ledger = None  # `(writes, grad_calibrations)` at the last call with a weight
-        self.sketch = None
-        self.trained_steps = 0
-
-    def tick(self, calibrating, corrupt, sketch=None):
-        # One flag per operand of the call (under `vmap`, an array of them per operand).
-        # The check of a state that went through an optimiser lives here rather than in
-        # an `eqx.error_if`: tracing one costs about 15k Python calls per quantised
-        # tensor per trace (23% of the lowering of a two-layer step), this callback is
-        # there anyway, and the error reaches the caller all the same (as the runtime
-        # error of the failed callback, with this message in it).
-        #
-        # `np.asarray` first: `np.any` of a `jax.Array` calls its `.any()`, a jitted
-        # computation. Run from inside the callback it waits for the executable that
-        # called back, which on a multi-device CPU backend can hold every execution slot
-        # (a deadlock that XLA breaks by aborting the process after 40 s).
-        if any(np.asarray(c).any() for c in corrupt):
-            raise HostCheckError(_CORRUPT_STATE)
-        if not any(np.asarray(c).any() for c in calibrating):
-            return
-        self.calls += 1
-        if self.is_grad:
-            _Ledger.grad_calibrations += 1
-        if sketch is not None:
-            # Between two calls of a dropped state: no state written, gradients taken.
-            # (The traced call can be cached across models, as `hax.dot`'s inner
-            # `filter_jit` does, so this looks at the calls, not at the trace.)
-            ledger, self.ledger = self.ledger, (_Ledger.writes, _Ledger.grad_calibrations)
-            if ledger is not None and (ledger[0] != _Ledger.writes or ledger[1] == _Ledger.grad_calibrations):
-                self.trained_steps, self.sketch = 0, None
-            self._observe(np.asarray(sketch, np.float64))
-            if self.trained_steps >= EARLY_STEPS - 1 and not _StaleWatch.warned_early:
-                _StaleWatch.warned_early = True
-                warnings.warn(_DROPPED_STATE, stacklevel=2)
-        if self.calls == STALE_CALLS and not _StaleWatch.warned:
-            _StaleWatch.warned = True
-            warnings.warn(_STALE_STATE, stacklevel=2)
-
-    def _observe(self, sketch):
-        last, self.sketch = self.sketch, sketch
-        if last is None or last.shape != sketch.shape:
-            return
-        moved = float(np.linalg.norm(sketch - last))
-        if moved == 0:  # the same weight again: another microbatch of the same step
-            return
-        if moved < _TRAINED_STEP * float(np.linalg.norm(last)):
-            self.trained_steps += 1
-        else:  # another model
-            self.trained_steps = 0
-
-
-_DROPPED_STATE = (
-    f"fp8ax: an FP8 layer found its amax history empty on {EARLY_STEPS} training steps in a row (its weight "
-    "changed by an optimiser step each time, and `fp8ax.apply_updates` was not called), so its new FP8 state "
-    "is computed and then dropped: every step calibrates again and delayed scaling is never used. This is what "
-    "`eqx.apply_updates(model, updates)` after `fp8ax.partition_for_grad_overwrite` does. The gradient of an FP8 "
-    "layer's state is its new value: write it with `model = fp8ax.apply_updates(model, updates, overwrite)`. "
-    "(Shown once per process.)"
-)
-
-_STALE_STATE = (
-    f"fp8ax: the same FP8 layer has found its amax history empty on {STALE_CALLS} calls of one "
-    "compiled program, so it calibrates on every call and its state is never written. The "
-    "gradient of an FP8 layer's state is its new value: split it off with "
-    "`overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)` and write it with "
-    "`model = fp8ax.apply_updates(model, updates, overwrite)` (`eqx.apply_updates` leaves "
-    f"the state as it was). If you trained {STALE_CALLS} fresh models with one compiled step, "
-    "ignore this. (Shown once per process.)"
 )
 
 
@@ -465,10 +326,10 @@ def _require_states(states):
 class _Plan(NamedTuple):
     """Delayed scaling's plan for one operand of a call."""
 
-    calibrates: Array | None  # the call's flag (None without `calibrate_first_call`)
-    longest: Array | None  # the history's max (None where the scale is planned)
+    calibrates: Array | None  # the operand's flag "calibrates" (None without `calibrate_first_call`)
+    longest: Array | None  # the history's max (None where the delayed scale is planned)
     lowest: Array | None  # and min
-    used: Array | None = None  # without `calibrate_first_call`: the scale the call uses
+    used: Array | None = None  # the delayed scale, from the state alone (None if planned without formats)
     inv: Array | None = None  # and its reciprocal, the cast's multiplier
 
 
@@ -497,8 +358,10 @@ class DelayedScaling(AbstractScalingRecipe):
     where `fp8_max` is the largest finite value of the operand's format (448 for E4M3,
     57344 for E5M2). A zero or non-finite amax keeps the previous scale. A history that no
     fp8ax update could have written (a negative, NaN or inf entry: the state went through
-    an optimiser) raises an error with `calibrate_first_call`, and otherwise gives no
-    amax, so the previous scale is kept. The call's own
+    an optimiser) counts as empty with `calibrate_first_call` (the call calibrates), and
+    otherwise gives no amax, so the previous scale is kept; fp8ax raises on such a state
+    wherever it sees its values (an eager call, `fp8ax.calibrate`, `fp8ax.to_serving`,
+    `fp8ax.scaling_stats`, `fp8ax.check_state`). The call's own
     amax then goes to the front of the history (index 0), the rest shifts back by one and
     the oldest entry drops. A call whose tensor is all zero or holds a NaN/inf observes
     nothing: the state stays exactly as it was (the call itself still runs, and a NaN
@@ -539,11 +402,13 @@ class DelayedScaling(AbstractScalingRecipe):
           of one. Without it the first step clips values above the format maximum (448
           for E4M3) and flushes small gradients to zero. `False` gives Haliax's and
           Flax's first step exactly; later scales can differ from theirs in the last bit
-          (they compute the same quotient in another order). It is also what tells the
-          first step's program from the others: [`fp8ax.apply_updates`][] and
-          [`fp8ax.calibrate`][] set it to `False` on a layer whose state they write, so
-          the steps after the first compile to delayed scaling alone, with no
-          conditional and no cast that waits on its own tensor's amax.
+          (they compute the same quotient in another order). Either way a training step
+          is one program, the same on the first step as on every later one. With it,
+          each cast picks its scale with a `select` on "history empty", so the cast
+          depends on the reduction of its own tensor's amax on every step (as in
+          [`fp8ax.CurrentScaling`][]); without it, the cast depends on the state alone
+          and can run beside that reduction (the GPU benchmarks in bench/README.md
+          measure the difference).
         - `formats`: `"hybrid"` (default: E4M3 forward, E5M2 gradients) or `"e4m3"`
           (E4M3 everywhere). (Keyword only argument.)
         - `fwd_dtype`: FP8 format of the forward operands, overriding `formats` (E4M3,
@@ -595,18 +460,10 @@ class DelayedScaling(AbstractScalingRecipe):
         good_history = np.all(np.isfinite(history) & (history >= 0), axis=-1)
         return good_history & np.isfinite(scale) & (scale > 0)
 
-    def after_state_written(self):
-        # The calibrating program, which a fresh layer's first step needs, picks per
-        # tensor between the scale from its own amax and the scale from its history.
-        # XLA:GPU turns that small conditional into a `select` of both, so every FP8 cast
-        # would wait on a reduction of its own input on every step: once the state is
-        # written, the layer's program is delayed scaling alone.
-        return dataclasses.replace(self, calibrate_first_call=False) if self.calibrate_first_call else self
-
     def serving_scale(self, state, dtype):
         # The scale the next call would use, from the history alone.
         scale, history = state
-        return self.after_state_written().scale_for_call(
+        return dataclasses.replace(self, calibrate_first_call=False).scale_for_call(
             scale, history, jnp.zeros((), jnp.float32), _formats.fp8_max(dtype)
         )
 
@@ -649,17 +506,16 @@ class DelayedScaling(AbstractScalingRecipe):
         fp8_max: float,
     ) -> Float[Array, ""]:
         """The dequantisation scale one call uses, from the state before the call (and,
-        while the history is empty and `calibrate_first_call` is set, the call's own
-        `amax`). A history that no fp8ax update writes (a negative, NaN or inf entry)
-        gives no amax and the scale stays; a call raises on it instead when
-        `calibrate_first_call` is set."""
+        while the history is empty or corrupt and `calibrate_first_call` is set, the
+        call's own `amax`). Without `calibrate_first_call`, a history that no fp8ax update
+        writes (a negative, NaN or inf entry) gives no amax and the scale stays."""
         # History entries are >= 0, and all 0 until something is recorded. A history
         # holding anything else gives no amax, as in `quantize_operand`.
         longest, lowest = _history_bounds(amax_history)
         past = self._past_amax(amax_history, longest)
         past = _formats.select(lax.ge(lowest, np.float32(0)), past, lax.full_like(past, 0))
         if self.calibrate_first_call:
-            past = _formats.select(lax.eq(longest, np.float32(0)), amax, past)
+            past = _formats.select(_calibrates(longest, lowest, scale), amax, past)
         return self._checked(past, scale, fp8_max)
 
     def next_state(
@@ -684,13 +540,11 @@ class DelayedScaling(AbstractScalingRecipe):
         return self.quantize_operands([Operand(x, contracting_axes, dtype, state, key, merge)])[0]
 
     def plan(self, states, dtypes=None):
-        # Each history's (max, min), which every later step needs, and, with
-        # `calibrate_first_call`, whether the call calibrates: one flag for the whole
-        # call, true while any of its operands' histories is empty (or corrupt). One
-        # conditional then serves both forward operands, and the output gradient's
-        # reuses the flag: two conditionals per layer and no per-tensor predicate.
-        # Without `calibrate_first_call`, the state alone decides each scale: with
-        # `dtypes`, the plan holds the scales and their reciprocals.
+        # Each history's (max, min), from which the state alone decides each operand's
+        # delayed scale; with `dtypes`, the plan holds those scales and their reciprocals.
+        # With `calibrate_first_call` it also holds each operand's flag "calibrates" (an
+        # empty or corrupt history), and the delayed scale is only one side of the
+        # `select` in `quantize_operands`, so no scale is planned.
         #
         # The operands' states are stacked and computed on together (the same float32
         # operations, entry by entry): one reduction over the histories and one scalar
@@ -704,109 +558,70 @@ class DelayedScaling(AbstractScalingRecipe):
             histories = _formats.stack([states[i][1] for i in idx], axis=-2)
             longest, lowest = _history_bounds(histories)
             used = inv = None
-            if not self.calibrate_first_call and dtypes is not None:
+            if dtypes is not None:
                 past = self._past_amax(histories, longest)
                 past = _formats.select(lax.ge(lowest, np.float32(0)), past, lax.full_like(longest, 0))
                 used = self._checked(past, scales, tuple(_formats.fp8_max(dtypes[i]) for i in idx))
                 inv = _formats.reciprocal(used)
+            flags = _calibrates(longest, lowest, scales) if self.calibrate_first_call else None
             for k, i in enumerate(idx):
-                if used is None:
-                    plans[i] = _Plan(None, _column(longest, k), _column(lowest, k))
-                else:  # the bounds served the scale; nothing else reads them
-                    plans[i] = _Plan(None, None, None, _column(used, k), _column(inv, k))
-        if not self.calibrate_first_call:
-            return plans
-        flags = [_calibrates(p.longest, p.lowest, scale) for (scale, _), p in zip(states, plans)]
-        calibrates = functools.reduce(lax.bitwise_or, flags)
-        return [p._replace(calibrates=calibrates) for p in plans]
+                plans[i] = _Plan(
+                    None if flags is None else _column(flags, k),
+                    None if used is not None else _column(longest, k),
+                    None if used is not None else _column(lowest, k),
+                    None if used is None else _column(used, k),
+                    None if inv is None else _column(inv, k),
+                )
+        return plans
 
     def planned_scale(self, plan):
-        return plan.used if isinstance(plan, _Plan) else None
+        # With `calibrate_first_call` the scale may come from the tensor's own amax.
+        if not isinstance(plan, _Plan) or plan.calibrates is not None:
+            return None
+        return plan.used
 
     def quantize_operands(self, operands):
-        # True delayed scaling: the values are quantised with the scale the history gives,
+        # Delayed scaling: the values are quantised with the scale the history gives,
         # and the tensor's amax (for the next state) is computed beside the cast, not
         # before it: nothing in the cast waits for a reduction over the tensor, so a
-        # compiler can fuse both into one pass. The first call of a fresh layer (empty
-        # history) calibrates its scale on its own amax instead, in the other branch of a
-        # `lax.cond` on "the call calibrates". The branch gets the tensors, not their
-        # amaxes, so a cast depends on its tensor's values only through the branch that
-        # runs once.
+        # compiler can fuse both into one pass.
+        #
+        # With `calibrate_first_call`, an operand whose history is empty (a fresh layer's
+        # first call) or corrupt takes the scale from its own amax instead, through a
+        # `select` on its flag: one program for the first step and every later one, with
+        # no conditional and no host callback (so JAX's persistent compilation cache
+        # stores it). The price is that the cast depends on the tensor's amax on every
+        # step, as in current scaling.
         operands = _as_operands(operands)
         _require_states([op.state for op in operands])
         if any(op.plan is None for op in operands):
             plans = self.plan([op.state for op in operands], [op.dtype for op in operands])
-            if not self.calibrate_first_call:
-                plans = lax.optimization_barrier(plans)  # see `_fenced` (the pipeline does this itself)
+            plans = lax.optimization_barrier(plans)  # see `_fenced` (the pipeline does this itself)
             operands = [op._replace(plan=p) for op, p in zip(operands, plans)]
-        fp8_maxes = [_formats.fp8_max(op.dtype) for op in operands]
-        if not self.calibrate_first_call:
-            # No conditional, so no corrupt-state error here; a history no fp8ax update
-            # writes (a negative, NaN or inf entry) gives no delayed amax and the scale
-            # stays as it was. The min costs nothing: with it the history's reduction is
-            # one kernel on XLA:CPU instead of two (see `_history_bounds`).
-            results = []
-            for op, fp8_max in zip(operands, fp8_maxes):
-                (scale, history), p = op.state, op.plan
-                if p.used is not None:
-                    used, inv = p.used, p.inv  # planned, and fenced by whoever planned
-                else:  # a plan made without the formats
-                    past = self._past_amax(history, p.longest)
-                    past = _formats.select(lax.ge(p.lowest, np.float32(0)), past, lax.full_like(p.longest, 0))
-                    used, inv = _fenced(self._checked(past, scale, fp8_max))
-                values = _formats.quantize(op.x, used, op.dtype, inv=inv)
-                results.append(
-                    (QuantizedArray(values, used), self.next_state(used, history, op.merge(_formats.amax(op.x))))
-                )
-            return results
-        # The flag is the only thing computed outside the branches: each branch returns
-        # every operand's scale and the scale's reciprocal, the cast's multiplier. A
-        # state that went through an optimiser (`eqx.apply_updates` on the raw gradient)
-        # holds negative or non-finite values: it takes the rarely-run branch too, which
-        # raises. Operands planned apart (separate `plan` calls) calibrate on either flag.
-        flags = {id(op.plan.calibrates): op.plan.calibrates for op in operands}
-        pred = functools.reduce(lax.bitwise_or, flags.values())
-        roles = tuple(op.role for op in operands)
-        watch = _StaleWatch(roles)
-        xs = tuple(op.x for op in operands)
-        states = tuple(op.state for op in operands)
-        bounds = tuple((op.plan.longest, op.plan.lowest) for op in operands)
-
-        def calibrating(xs, states, bounds):
-            out, own, corrupt = [], [], []
-            for op, fp8_max, x, (scale, history), (longest, lowest) in zip(operands, fp8_maxes, xs, states, bounds):
-                # Each operand's own flag again, rather than passed in: as an operand as
-                # well as the branch index it costs a kernel per tensor on CPU. An operand
-                # whose history is filled keeps its delayed scale.
-                corrupt.append(_corrupt(longest, lowest, scale))
-                own.append(_calibrates(longest, lowest, scale, corrupt[-1]))
-                calibrated = self._checked(op.merge(_formats.amax(x)), scale, fp8_max)
-                delayed = self._checked(self._past_amax(history, longest), scale, fp8_max)
-                used = _formats.select(own[-1], calibrated, delayed)
-                out.append((used, _formats.reciprocal(used)))
-            # On the host, when this branch runs; the weight's sketch tells whether the
-            # layer is being trained without its state being written (`_StaleWatch`).
-            sketch = [weight_sketch(x) for x, role in zip(xs, roles) if role == "rhs"]
-            host_check(watch.tick, tuple(own), tuple(corrupt), sketch[0] if sketch else None)
-            return tuple(out)
-
-        def delayed(xs, states, bounds):
-            del xs
-            out = []
-            for fp8_max, (scale, history), (longest, _) in zip(fp8_maxes, states, bounds):
-                used = self._checked(self._past_amax(history, longest), scale, fp8_max, finite_amax=True)
-                out.append((used, _formats.reciprocal(used)))
-            return tuple(out)
-
-        scales = lax.cond(pred, calibrating, delayed, xs, states, bounds)
         results = []
-        for op, (used, inv) in zip(operands, scales):
-            # The calibrating branch's scale is batched like its tensor under vmap; it is
-            # the same in every example (its amax is merged), so merging `inv` by the
-            # same rule keeps it the reciprocal of `used`. The tensor's amax is merged in
-            # the same call (one `custom_vmap` to trace instead of two).
-            used, inv, seen = op.merge((used, inv, _formats.amax(op.x)))
-            used, inv = _fenced(used, inv)
+        for op in operands:
+            (scale, history), p = op.state, op.plan
+            fp8_max = _formats.fp8_max(op.dtype)
+            if p.used is not None:
+                used, inv = p.used, p.inv  # planned from the state alone
+            else:  # a plan made without the formats
+                past = self._past_amax(history, p.longest)
+                past = _formats.select(lax.ge(p.lowest, np.float32(0)), past, lax.full_like(p.longest, 0))
+                used = self._checked(past, scale, fp8_max)
+                inv = None
+            # One observation for the whole call: under `vmap` and `shard_map`, the max
+            # over the examples and shards the state does not vary over.
+            seen = op.merge(_formats.amax(op.x))
+            if p.calibrates is not None:
+                # A history no fp8ax update writes (a negative, NaN or inf entry: the state
+                # went through an optimiser) calibrates too, so training stays right;
+                # fp8ax raises on it wherever it sees the state's values
+                # (`fp8ax.check_state`).
+                # (A corrupt scale is no fallback for a tensor that observes nothing: 1.)
+                fallback = _formats.select(_bad_scale(scale), lax.full_like(scale, 1), scale)
+                used = _formats.select(p.calibrates, self._checked(seen, fallback, fp8_max), used)
+                inv = None
+            used, inv = _fenced(used, inv) if inv is None else (used, inv)
             values = _formats.quantize(op.x, used, op.dtype, inv=inv)
-            results.append((QuantizedArray(values, used), self.next_state(used, op.state[1], seen)))
+            results.append((QuantizedArray(values, used), self.next_state(used, history, seen)))
         return results

@@ -42,7 +42,7 @@ from ._ragged import (
     ragged_gemm,
     ragged_out_dtype,
 )
-from ._recipes import _CORRUPT_STATE, AbstractScalingRecipe, Operand
+from ._recipes import CORRUPT_STATE, AbstractScalingRecipe, Operand
 from ._settings import GemmSettings
 from ._transform import Fp8Linear, linear_call, path_str
 
@@ -495,7 +495,7 @@ def _check_filled(layer: str, dg: Fp8DotGeneral, stacked: str) -> None:
             raise ValueError("`fp8ax.to_serving` reads the FP8 state, so it must be called outside `jax.jit`.")
         fields = tuple(np.asarray(v) for v in fields)
         if not np.all(recipe.state_valid(fields)):
-            raise ValueError(f"Layer `{layer}`, {what} state (`{role}`): {_CORRUPT_STATE}")
+            raise ValueError(f"Layer `{layer}`, {what} state (`{role}`): {CORRUPT_STATE}")
         empty = ~np.asarray(recipe.state_observed(fields))
         if np.any(empty):
             where = ""
@@ -521,7 +521,7 @@ def _convert_gemm(
     """The stored weight (encoded) and the serving dot general of one FP8 GEMM whose
     weight `w` (`n_batch` leading stacked dims) the training forward passes as `rhs`,
     contracting `contracting` (axes of one stacked entry)."""
-    st = dg._program_settings()  # what the training forward ran
+    st = dg.settings  # what the training forward ran
     recipe = st.operand_recipe("rhs")
     if recipe is None or "fwd" in st.high_precision_gemms:
         raise ValueError(
@@ -616,7 +616,7 @@ def _convert_haliax(layer: str, lin: hnn.Linear, check: bool) -> ServingHaliaxLi
 
 def _convert_moe(layer: str, lin: Fp8MoELinear, check: bool) -> ServingMoELinear:
     rg = lin.ragged
-    st = rg._program_settings()
+    st = rg.settings
     if st.operand_recipe("rhs") is None or "fwd" in st.high_precision_gemms:
         raise ValueError(
             f"Layer `{layer}` keeps its expert weights in high precision in the forward GEMM, so it has no "

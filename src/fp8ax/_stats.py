@@ -29,7 +29,7 @@ from ._layout import bwd_layout
 from ._maxgrad import merged_amax
 from ._quantized import QuantizedArray
 from ._ragged import Fp8RaggedDot
-from ._recipes import Operand
+from ._recipes import CORRUPT_STATE, Operand
 from ._transform import Fp8Linear, _haliax_batch_shape, path_str
 
 ROLES = ("lhs", "rhs", "grad")
@@ -137,7 +137,7 @@ class _Capture(eqx.Module):
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
         out = self.inner(lhs, rhs, dimension_numbers, precision, preferred_element_type)
-        st = self.inner._program_settings()
+        st = self.inner.settings
         if "fwd" in st.high_precision_gemms:
             return out
         # The counts need no derivative (and `fn` may differentiate through here).
@@ -305,6 +305,8 @@ def scaling_stats(model: Any, fn: Callable | None = None, *args, **kwargs) -> di
     out: dict[str, float] = {}
     for name, dg, _ in layers:
         numbers = {}
+        for role, _ in dg._state_problems(empty=False) if dg.lhs is not None and not _traced(dg) else ():
+            raise ValueError(f"FP8 state `{name}/{role}`: {CORRUPT_STATE}")
         for role in ROLES:
             state = getattr(dg, role)
             if state is not None:
@@ -351,6 +353,11 @@ def scaling_stats(model: Any, fn: Callable | None = None, *args, **kwargs) -> di
             out[f"{key}/saturation"] = c["saturated"] / c["total"] if c["total"] else 0.0
             out[f"{key}/underflow"] = c["underflow"] / c["nonzero"] if c["nonzero"] else 0.0
     return out
+
+
+def _traced(dg) -> bool:
+    # (A traced state is refused below, with `scaling_stats`'s own message.)
+    return any(isinstance(v, jax.core.Tracer) for v in jax.tree.leaves(dg))
 
 
 def merge_identical(series: list[tuple[str, np.ndarray]]) -> list[tuple[str, np.ndarray, str]]:

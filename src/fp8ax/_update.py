@@ -5,7 +5,6 @@ import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 
-from ._recipes import record_state_write
 from ._state import _is_owg
 
 T = TypeVar("T")
@@ -55,8 +54,8 @@ def partition_for_grad_overwrite(tree: T) -> tuple[T, T]:
 
 
 def _untrained(module):
-    """The zero gradient of an FP8 module's state: its arrays as zeros, and None for what
-    is not an array (the program switch `calibrating`), as `eqx.filter_grad` gives."""
+    """The zero gradient of an FP8 module's state: its arrays as zeros (and None for
+    anything that is not an array, as `eqx.filter_grad` gives)."""
     return jtu.tree_map(lambda v: jnp.zeros_like(v) if eqx.is_array(v) else None, module)
 
 
@@ -79,18 +78,11 @@ def apply_updates(model: T, updates: T, overwrite: T) -> T:
     was instead of being overwritten with zeros. Parameters keep their dtype (a bf16
     parameter plus a float32 update stays bf16).
 
-    A layer whose state is written leaves first-call calibration behind: its
-    `calibrating` leaf becomes 0.0 (`dg.settled`), a value the next call of a step
-    under `eqx.filter_jit` compiles once more for, to the program of
-    `dg.program_recipe` (for `DelayedScaling`, without `calibrate_first_call`), which
-    casts every tensor with the scale its history gives and never waits for the tensor's
-    own amax (XLA:GPU turns the first step's small conditional into a `select` that
-    would). The pytree structure stays the same, so an optimiser state built from the
-    whole model stays valid. A training loop inside `lax.scan` traces that leaf if the
-    model is in the carry, and then runs the first-call program on every step (right
-    for a written state too, but slower on a GPU): run [`fp8ax.calibrate`][] (or one
-    step) before it and keep the model's non-array leaves out of the carry
-    (`eqx.partition(model, eqx.is_array)`).
+    Every step, the first included, runs the same program (see
+    [`fp8ax.DelayedScaling`][]'s `calibrate_first_call`): writing the state changes
+    array values only, never the pytree's structure or the type of a leaf, so a jitted
+    step compiles once, a training loop can run inside `lax.scan` with the model in the
+    carry, and an optimiser state built from the whole model stays valid.
 
     **Arguments:**
 
@@ -122,8 +114,6 @@ def apply_updates(model: T, updates: T, overwrite: T) -> T:
                 "A model without FP8 layers can use `eqx.apply_updates`."
             )
         overwrite = jtu.tree_map(lambda _: None, model)
-    else:
-        record_state_write()  # the early warning for a dropped state looks for this call
     if updates is None:
         updates = jtu.tree_map(lambda _: None, model, is_leaf=_is_owg)
 
@@ -152,3 +142,76 @@ def apply_updates(model: T, updates: T, overwrite: T) -> T:
         return x is None or _is_owg(x)
 
     return jtu.tree_map_with_path(_apply, model, updates, overwrite, is_leaf=is_leaf)
+
+
+def check_state(model, *, written: bool = False) -> None:
+    """Checks the FP8 state of a converted model, reading its values (call it outside
+    `jax.jit`: at a checkpoint, a log step, or after the first steps of a run).
+
+    A training step cannot raise on the device without a host callback, which would keep
+    JAX's persistent compilation cache from storing the step; so a step that meets a
+    corrupt state calibrates on it (the training stays right, scaled as current scaling
+    would), and this function is where the mistake is reported. fp8ax also raises the
+    same error in an eager call of a layer, [`fp8ax.calibrate`][], [`fp8ax.to_serving`][]
+    and [`fp8ax.scaling_stats`][] (all of which read the state's values).
+
+    **Arguments:**
+
+    - `model`: a model converted by [`fp8ax.fp8_linear_layers`][] (or any pytree holding
+      [`fp8ax.Fp8DotGeneral`][] modules).
+    - `written`: also require every state to have observed something: after a few
+      training steps, a layer whose history is still empty was never run, or its new
+      state was dropped (`eqx.apply_updates` instead of [`fp8ax.apply_updates`][] after
+      [`fp8ax.partition_for_grad_overwrite`][]). (Keyword only argument.)
+
+    **Raises:**
+
+    `ValueError`, naming the layers and the cause, if a state holds values no fp8ax
+    update writes (negative, NaN or inf: it went through an optimiser), or with
+    `written=True` if a state is empty. `TypeError` if `model` holds no FP8 layer with
+    state.
+
+    !!! Example
+
+        ```python
+        for i in range(steps):
+            model, opt_state = step(model, opt_state, x, y)
+            if i == 2:
+                fp8ax.check_state(model, written=True)
+        ```
+    """
+    from ._dot_general import Fp8DotGeneral
+    from ._recipes import CORRUPT_STATE
+
+    if not isinstance(written, bool):
+        raise TypeError(f"`written` must be a bool, got {written!r}.")
+    layers = [
+        (jtu.keystr(path), m)
+        for path, m in jtu.tree_leaves_with_path(model, is_leaf=lambda x: isinstance(x, Fp8DotGeneral))
+        if isinstance(m, Fp8DotGeneral) and m.lhs is not None
+    ]
+    if not layers:
+        raise TypeError(
+            "`model` holds no FP8 layer with state: convert it with `fp8ax.fp8_linear_layers` (with a stateful recipe, "
+            "`fp8ax.DelayedScaling`, the default) first."
+        )
+    corrupt, empty = [], []
+    for path, m in layers:
+        for role, problem in m._state_problems():
+            (corrupt if problem == "corrupt" else empty).append(f"model{path}.{role}")
+    if corrupt:
+        raise ValueError(f"FP8 state {_listed(corrupt)}: {CORRUPT_STATE}")
+    if written and empty:
+        raise ValueError(
+            f"FP8 state {_listed(empty)} has observed nothing: its amax history is empty. Either the layer never ran "
+            "in the steps so far (then this is expected), or the training step dropped its new state: "
+            "`eqx.apply_updates(model, updates)` after `fp8ax.partition_for_grad_overwrite` leaves the state as it "
+            "was; write it with `model = fp8ax.apply_updates(model, updates, overwrite)`. (A step on an empty state "
+            "calibrates on the tensor's own amax, so the training itself is right, but it never uses delayed "
+            "scaling.)"
+        )
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(f"`{n}`" for n in names[:4])
+    return shown + (f" and {len(names) - 4} more" if len(names) > 4 else "")
