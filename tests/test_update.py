@@ -296,6 +296,39 @@ def test_an_optimiser_state_built_from_the_whole_model_works(getkey, name):
     assert float(jnp.max(jnp.abs(whole.layers[0].weight - model.layers[0].weight))) > 0
 
 
+@pytest.mark.parametrize("name", list(_OPTIMISERS))
+def test_skip_fp8_state_trains_the_same_with_no_moments_for_the_state(getkey, name):
+    # `fp8ax.skip_fp8_state(opt)` gives the same parameters and FP8 state, bit for bit,
+    # as `opt` with moments for the state (whose updates `apply_updates` ignores), and
+    # its optimiser state holds nothing of the size of an amax history.
+    model = fp8ax.fp8_linear_layers(eqx.nn.MLP(8, 4, 16, 1, key=getkey()))
+    x = jax.random.normal(getkey(), (32, 8))
+    y = jax.random.normal(getkey(), (32, 4))
+
+    def loss(m):
+        return jnp.mean((jax.vmap(m)(x) - y) ** 2)
+
+    skipping = fp8ax.skip_fp8_state(_OPTIMISERS[name]())
+    got, traces = _trained_with(model, loss, skipping, model, 4)
+    want, _ = _trained_with(model, loss, _OPTIMISERS[name](), model, 4)
+    assert traces == 1
+    _assert_same_arrays(got, want)
+    with jax.numpy_dtype_promotion("standard"):
+        state = skipping.init(eqx.filter(model, eqx.is_array))
+        full = _OPTIMISERS[name]().init(eqx.filter(model, eqx.is_array))
+    history = model.layers[0].dot_general.lhs.amax_history.shape
+    assert not any(jnp.shape(v) == history for v in jax.tree.leaves(state))
+    assert any(jnp.shape(v) == history for v in jax.tree.leaves(full))
+    # Six state arrays per FP8 layer, two layers: Adam's two moments of each are gone.
+    if name == "adam":
+        assert len(jax.tree.leaves(full)) - len(jax.tree.leaves(state)) == 2 * 6 * 2
+
+
+def test_skip_fp8_state_needs_an_optimiser():
+    with pytest.raises(TypeError, match=r"`optimizer` must be an `optax.GradientTransformation`.*got function"):
+        fp8ax.skip_fp8_state(optax.adam)
+
+
 @pytest.mark.needs_hax_dot
 def test_a_stacked_haliax_model_with_the_whole_model_in_the_optimiser(getkey):
     # `params=model` for weight decay: the FP8 state gets no update from it.

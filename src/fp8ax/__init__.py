@@ -82,5 +82,8 @@ from ._update import (
 from ._update import (
     partition_for_grad_overwrite as partition_for_grad_overwrite,
 )
+from ._update import (
+    skip_fp8_state as skip_fp8_state,
+)
 
 __version__ = _version("fp8ax")

@@ -4,6 +4,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import optax
 
 from ._state import _is_owg
 
@@ -215,3 +216,59 @@ def check_state(model, *, written: bool = False) -> None:
 def _listed(names: list[str]) -> str:
     shown = ", ".join(f"`{n}`" for n in names[:4])
     return shown + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+
+
+def skip_fp8_state(optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
+    """`optimizer`, keeping no state for the FP8 state of a converted model.
+
+    An optimiser built from the whole model (`opt.init(eqx.filter(model, eqx.is_array))`)
+    keeps moments for every FP8 scale and amax history, all zero, and updates them on
+    every step: with Adam two elementwise kernels per state array, twelve per FP8 layer,
+    each too small to keep a GPU busy (on an H200 the decoder layer of docs/gpu.md spent
+    about 3.5 ms more per step idle than Haliax's FP8, whose optimiser never sees the
+    state). The wrapped optimiser takes the same arguments and returns updates of the same
+    structure, but hands `optimizer` only the ordinary parameters: the FP8 modules get no
+    moments, and `None` as their update (which [`fp8ax.apply_updates`][] ignores, as it
+    ignores any update of the FP8 state).
+
+    **Arguments:**
+
+    - `optimizer`: an `optax.GradientTransformation` (Adam, a chain, `optax.MultiSteps`'s
+      `gradient_transformation()`, ...).
+
+    **Returns:**
+
+    An `optax.GradientTransformation`. Its `init` takes the model or its arrays, as
+    `optimizer.init` would; its `update` takes the gradients from
+    [`fp8ax.partition_for_grad_overwrite`][] (and `params`, if `optimizer` needs them).
+
+    !!! Example
+
+        ```python
+        opt = fp8ax.skip_fp8_state(optax.adamw(1e-3))
+        opt_state = opt.init(eqx.filter(model, eqx.is_array))
+        ...
+        overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)
+        updates, opt_state = opt.update(grads, opt_state, params=model)
+        model = fp8ax.apply_updates(model, updates, overwrite)
+        ```
+    """
+    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
+        raise TypeError(
+            f"`optimizer` must be an `optax.GradientTransformation` (with `init` and `update`), got "
+            f"{type(optimizer).__name__}."
+        )
+
+    def parameters(tree):
+        # The tree with None in place of each FP8 module (and of anything not an array).
+        if tree is None:
+            return None
+        return eqx.filter(jtu.tree_map(lambda x: None if _is_owg(x) else x, tree, is_leaf=_is_owg), eqx.is_array)
+
+    def init_fn(params):
+        return optimizer.init(parameters(params))
+
+    def update_fn(updates, state, params=None, **extra):
+        return optimizer.update(parameters(updates), state, parameters(params), **extra)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
