@@ -1,6 +1,7 @@
 """Fp8DotGeneral: numerics against float32/float64 references, lowering, transformations, bad input."""
 
 import functools
+import warnings
 
 import equinox as eqx
 import haliax.quantization as haxq
@@ -380,3 +381,51 @@ def test_gemm_keywords_are_declared_once():
         fp8ax.Fp8Config(recipe=fp8ax.CurrentScaling(), settings=fp8ax.GemmSettings(), compute_dtype=jnp.bfloat16)
     with pytest.raises(TypeError, match="`compute_dtype` must be None or a floating dtype"):
         fp8ax.Fp8Config(compute_dtype=object())
+
+
+# ---- the first compile on a GPU ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "xla_flags, cache, warns",
+    [
+        ("", None, True),
+        ("--xla_gpu_autotune_level=4", None, True),
+        ("--xla_gpu_enable_triton_gemm=false", None, False),
+        ("--xla_dump_to=/tmp/x --xla_gpu_enable_triton_gemm=0", None, False),
+        ("--xla_gpu_enable_triton_gemm=true", None, True),
+        ("", "cache", False),
+    ],
+)
+def test_a_gpu_run_is_told_once_what_its_first_compile_costs(xla_flags, cache, warns, monkeypatch, tmp_path, getkey):
+    # On a GPU (faked here: the advice only reads the platform name, XLA_FLAGS and JAX's
+    # cache setting), the first FP8 layer traced in a process warns when XLA would
+    # autotune its GEMMs with Triton and no persistent cache keeps the result.
+    from fp8ax import _dot_general
+
+    monkeypatch.setattr(_dot_general, "_platform", lambda: "gpu")
+    monkeypatch.setattr(_dot_general, "_ADVISED", [])
+    monkeypatch.setenv("XLA_FLAGS", xla_flags)
+    monkeypatch.setattr(_dot_general, "_cache_dir", lambda: str(tmp_path) if cache else None)
+    x, w, _ = _data(getkey, m=8, k=16, n=4)
+    dg = fp8ax.Fp8DotGeneral.init()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax.jit(lambda x: dg(x, w, DIMS))(x)
+        jax.jit(lambda x: dg(x, w, DIMS) * 2)(x)  # a second trace: no second warning
+    messages = [str(c.message) for c in caught if "fp8ax" in str(c.message)]
+    assert len(messages) == int(warns), messages
+    if warns:
+        assert "XLA_FLAGS=--xla_gpu_enable_triton_gemm=false" in messages[0] and "docs/gpu.md" in messages[0]
+
+
+def test_no_gpu_advice_on_the_cpu(monkeypatch, getkey):
+    from fp8ax import _dot_general
+
+    monkeypatch.setattr(_dot_general, "_ADVISED", [])
+    monkeypatch.setenv("XLA_FLAGS", "")
+    x, w, _ = _data(getkey, m=8, k=16, n=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fp8ax.Fp8DotGeneral.init()(x, w, DIMS)
+    assert _dot_general._ADVISED == []

@@ -32,7 +32,7 @@ from jaxtyping import Array, ArrayLike, PRNGKeyArray
 
 from ._boundaries import check_eager_shard_map, vma
 from ._current import content_key
-from ._dot_general import Fp8DotGeneral, _check_operand
+from ._dot_general import Fp8DotGeneral, _check_operand, advise_gpu_compile
 from ._maxgrad import is_max, raw_to_max
 from ._pipeline import (
     Call,
@@ -571,6 +571,7 @@ class Fp8RaggedDot(Fp8DotGeneral):
         if any(state_is_max):
             check_eager_shard_map()
         self._refuse_corrupt_state(raw)
+        advise_gpu_compile()
         if preferred_element_type is not None:
             preferred_element_type = np.dtype(preferred_element_type)
             if not jnp.issubdtype(preferred_element_type, jnp.floating):
