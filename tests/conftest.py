@@ -7,6 +7,13 @@ from importlib.metadata import version
 import jax
 import pytest
 
+# On a GPU, JAX preallocates 75% of the GPU's memory in each process that uses it, and the
+# suite runs up to 4 xdist workers (addopts): the second would run out of memory. Allocate
+# on demand unless the caller chose otherwise. (Read when JAX creates its GPU client, at
+# the first array, after this; nothing changes on the CPU.) The GPU selection itself runs
+# in one process: `python -m pytest -q -m gpu -n 0` (tests/test_gpu_invariants.py).
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
 # Strict promotion forces every cast in fp8ax to be explicit (as Equinox's tests do).
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")

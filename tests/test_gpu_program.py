@@ -215,12 +215,13 @@ def _train_step_programs(paths: str, variants: str, tmp_path) -> dict:
 
 
 def test_train_step_program_is_what_the_design_says(h100, tmp_path):
-    # Every step after the first (and the first after `fp8ax.calibrate`): each GEMM on FP8
-    # operands, in both GEMM paths for direct mode and on cuBLASLt for qdq (Triton's GEMM
-    # fusions do not take XLA's dequantise pattern, for Haliax's FP8 neither); each GEMM
-    # writes the layer's dtype (bf16); no FP8 cast waits on a reduction of its own input;
-    # no conditional; no host callback. The first step of a fresh model calibrates each
-    # scale on its tensor's amax (its casts wait, once), and compiles ahead of time too.
+    # `calibrate_first_call=False` (fp8ax_direct, fp8ax_qdq) and the default, whose one
+    # program serves every step (fp8ax_direct_first): each GEMM on FP8 operands, in both
+    # GEMM paths for direct mode and on cuBLASLt for qdq (Triton's GEMM fusions do not take
+    # XLA's dequantise pattern, for Haliax's FP8 neither); each GEMM writes the layer's
+    # dtype (bf16); no conditional; no host callback. Without first-call calibration no FP8
+    # cast waits on a reduction of its own input; with it, each cast's scale is a select
+    # on its tensor's own amax, so its casts wait (on every step).
     # Against Haliax's FP8 step: fewer kernels (a layer's three scaling states are
     # computed on together, one GEMM's output scale beside them), and no more HBM bytes
     # outside the GEMMs (up to 0.1 MB of state arithmetic: fp8ax keeps the amaxes in
