@@ -339,12 +339,6 @@ def phase_resume(models, snapshots):
         fp8ax.check_checkpoint_metadata(metadata, like)
         restored = ckptr.restore(path, like)
         model = eqx.combine(restored["model"], fresh)
-        # Writing the restored state with `apply_updates` switches the layers whose
-        # histories are filled to the program of every step after the first, as training
-        # had before the checkpoint (a fresh template's layers would run the first step's
-        # program once more: the same scales, but other fusions, which can round a
-        # reduction differently).
-        model = fp8ax.apply_updates(model, None, fp8ax.partition_for_grad_overwrite(model)[0])
         opt_state = restored["opt_state"]
         r["restored_shardings_on_mesh_b"] = all(
             x.sharding == s.sharding for x, s in zip(jax.tree.leaves(restored), jax.tree.leaves(like), strict=True)
