@@ -721,6 +721,12 @@ def run_gemm(args, rec: Recorder, shape_name: str, pass_name: str, backend: str)
         except Exception as e:  # one broken variant must not hide the others
             info["error"] = error_info(e)
         rec(variants={v: info})
+    _time_variants(args, rec, gpu, calls, variants, flops)
+
+
+def _time_variants(args, rec: Recorder, gpu, calls, variants: dict[str, dict[str, Any]], flops: float) -> None:
+    """Times the compiled `calls` interleaved (bench/gpu.py's `time_interleaved`) into
+    `variants`, with their rates for `flops`, and records them."""
     timed = gpu.time_interleaved(
         calls, reps=args.gemm_reps, warmup=1 if args.dry else 2, inner=1 if args.dry else 0, target_s=0.02
     )
@@ -789,15 +795,7 @@ def run_moe(args, rec: Recorder, backend: str) -> None:
         except Exception as e:
             info["error"] = error_info(e)
         rec(variants={v: info})
-    timed = gpu.time_interleaved(
-        calls, reps=args.gemm_reps, warmup=1 if args.dry else 2, inner=1 if args.dry else 0, target_s=0.02
-    )
-    for v, t in timed.items():
-        if "error" in t:
-            t = {"error": {"type": "warm-up", "message": t["error"], "traceback_tail": []}}
-        variants[v].update(t)
-    _rates(variants, useful)
-    rec(variants=variants)
+    _time_variants(args, rec, gpu, calls, variants, useful)
 
 
 # --------------------------------------------------------------------------------------
