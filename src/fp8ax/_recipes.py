@@ -5,8 +5,9 @@
 # into a `QuantizedArray` whose scale has a declared layout. A stateful recipe reads its
 # state and returns the new one; the GEMM pipeline (`_pipeline.py`) is the same for all.
 # The pipeline hands a recipe the operands of one call together (`plan`, then
-# `quantize_operands`), so that a recipe can decide once per call what it would
-# otherwise decide per operand: delayed scaling's "does this call calibrate".
+# `quantize_operands`), so that a recipe can compute once per call what it would
+# otherwise compute per operand: delayed scaling stacks the operands' states and reduces
+# their histories together.
 
 import dataclasses
 from collections.abc import Callable, Sequence
@@ -407,8 +408,10 @@ class DelayedScaling(AbstractScalingRecipe):
           each cast picks its scale with a `select` on "history empty", so the cast
           depends on the reduction of its own tensor's amax on every step (as in
           [`fp8ax.CurrentScaling`][]); without it, the cast depends on the state alone
-          and can run beside that reduction (the GPU benchmarks in bench/README.md
-          measure the difference).
+          and can run beside that reduction. On an H200 the difference was within the
+          noise (a decoder layer's step: 26.02 against 25.92 ms; see the "Training on a
+          GPU" page), and the first step's calibration showed in the loss after 23
+          steps (1.383 against 1.461).
         - `formats`: `"hybrid"` (default: E4M3 forward, E5M2 gradients) or `"e4m3"`
           (E4M3 everywhere). (Keyword only argument.)
         - `fwd_dtype`: FP8 format of the forward operands, overriding `formats` (E4M3,
