@@ -219,6 +219,18 @@ def check_checkpoint(path_or_file, like) -> None:
         )
 
 
+def _fits(records, like) -> bool:
+    """Whether the records are, one for one, those `like` writes."""
+    leaves = [x for x in jtu.tree_leaves(like) if _writes_record(x)]
+    if len(records) != len(leaves):
+        return False
+    for got, leaf in zip(records, leaves):
+        want = _signature(leaf)
+        if got[0] != want[0] or (want[1] is not None and got[1] != want[1]):
+            return False
+    return True
+
+
 def _read(path_or_file, fn):
     if isinstance(path_or_file, str | pathlib.Path):
         path = pathlib.Path(path_or_file)
@@ -256,12 +268,49 @@ def tree_deserialise_leaves(path_or_file: str | pathlib.Path | BinaryIO, like: T
 
     The loaded tree.
 
+    A checkpoint of a training model saved by fp8ax before 2026-11-26 holds one more
+    record per FP8 layer with state (the layer's program switch `calibrating`, a Python
+    float that fp8ax no longer has); it is read and that record skipped.
+
     **Raises:**
 
     `ValueError` if the checkpoint does not fit `like` (also when it holds more arrays).
     """
-    check_checkpoint(path_or_file, like)
+    try:
+        check_checkpoint(path_or_file, like)
+    except ValueError as error:
+        legacy = _with_switches(like)
+        if legacy is like or not _fits(_read(path_or_file, _records), legacy):
+            raise error from None
+        loaded = eqx.tree_deserialise_leaves(path_or_file, legacy)
+        return jtu.tree_map(lambda x: x[0] if isinstance(x, _Switched) else x, loaded, is_leaf=_is_switched)
     return eqx.tree_deserialise_leaves(path_or_file, like)
+
+
+class _Switched(tuple):
+    """`(layer, switch)`: an FP8 layer as checkpoints before 2026-11-26 saved it, its
+    float leaf `calibrating` after its state."""
+
+
+jtu.register_pytree_node(_Switched, lambda t: (tuple(t), None), lambda _, c: _Switched(c))
+
+
+def _is_switched(x) -> bool:
+    return isinstance(x, _Switched)
+
+
+def _with_switches(like):
+    """`like` with each FP8 layer with state in the older form (`like` itself if it has none)."""
+    found = []
+
+    def wrap(x):
+        if isinstance(x, Fp8DotGeneral) and x.lhs is not None:
+            found.append(x)
+            return _Switched((x, 0.0))
+        return x
+
+    out = jtu.tree_map(wrap, like, is_leaf=lambda x: isinstance(x, Fp8DotGeneral))
+    return out if found else like
 
 
 # Checkpoints whose leaves are named by their path (Orbax): the same kinds and advice,
