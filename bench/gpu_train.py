@@ -895,7 +895,7 @@ def run_part(args, part: str, timeout: float, work: Path, cache_dir: str | None)
     cmd += ["--dry"] * args.dry + ["--split-compile"] * args.split_compile + ["--no-fp8-check"] * args.no_fp8_check
     if cache_dir:
         cmd += ["--cache-dir", cache_dir]
-    flags = [os.environ.get("XLA_FLAGS", "")]
+    flags = [os.environ.get("XLA_FLAGS", ""), args.base_xla_flags]
     variant = part.partition("@")[2]
     if variant:
         flags.append(args.flag_variants[variant])
@@ -1068,6 +1068,7 @@ def parent_main(args) -> int:
             "seed": args.seed,
             "split_compile": args.split_compile,
             "xla_flags_variants": args.flag_variants,
+            "base_xla_flags": args.base_xla_flags,
             "autotune_log_dir": args.autotune_log_dir,
             "persistent_cache": None
             if cache_root is None
@@ -1302,7 +1303,15 @@ def parse_args(argv=None):
         action="append",
         default=[],
         metavar="NAME=FLAGS",
-        help="XLA flags that a part suffixed @NAME adds to XLA_FLAGS (repeatable)",
+        help="XLA flags that a part suffixed @NAME adds to XLA_FLAGS (repeatable; @triton is predefined: "
+        "--xla_gpu_enable_triton_gemm=true, XLA's default)",
+    )
+    p.add_argument(
+        "--base-xla-flags",
+        default="--xla_gpu_enable_triton_gemm=false",
+        help="XLA flags every part adds to XLA_FLAGS before its own (default: no Triton GEMMs, the setting "
+        "docs/gpu.md recommends; with XLA's Triton GEMMs the fp8ax decoder alone compiles for minutes). "
+        "'' for XLA's defaults",
     )
     p.add_argument("--autotune-log-dir", default=None, help="parts write XLA's autotuning logs to DIR/<part>.textproto")
     p.add_argument(
@@ -1317,7 +1326,10 @@ def parse_args(argv=None):
     p.add_argument("--lines", default=None, help=argparse.SUPPRESS)
     p.add_argument("--deadline", type=float, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.flag_variants = _pairs(args.xla_flags_variant, "--xla-flags-variant")
+    args.flag_variants = {
+        "triton": "--xla_gpu_enable_triton_gemm=true",
+        **_pairs(args.xla_flags_variant, "--xla-flags-variant"),
+    }
     args.part_timeouts = _pairs(args.part_timeout, "--part-timeout", float)
     args.min_start = _pairs(args.min_start, "--min-start", float)
     if args.steps < 1 or args.gemm_reps < 1:
