@@ -13,6 +13,7 @@ with three steps of a plain Python loop: bit for bit where both run the same pro
 else to the tolerance written at the case.
 """
 
+import functools
 import io
 
 import equinox as eqx
@@ -90,8 +91,14 @@ def _init(model):
         return OPT.init(eqx.filter(model, eqx.is_array))
 
 
+@functools.cache
+def _jitted_step(loss_fn):
+    # One compiled step per task, shared by the loop and the entry points that run it.
+    return eqx.filter_jit(_step_fn(loss_fn))
+
+
 def _loop(model, opt_state, loss_fn, batch, start=0, stop=STEPS):
-    step = eqx.filter_jit(_step_fn(loss_fn))
+    step = _jitted_step(loss_fn)
     for i in range(start, stop):
         model, opt_state = step(model, opt_state, *batch(i))
     return model, opt_state
@@ -212,14 +219,21 @@ def _params(kind):
     return [pytest.param(kind, name, id=f"{kind}-{name}", marks=marks) for name in ENTRY_POINTS]
 
 
-@pytest.mark.parametrize("kind, entry", _params("haliax") + _params("equinox"))
-def test_the_readme_step_trains_through_every_entry_point(kind, entry, getkey, tmp_path):
-    key = getkey()
+@functools.cache
+def _reference(kind):
+    """The task of `kind` and three steps of the plain loop on it (shared by the cases of
+    one process: the loop's compile is most of a case's time)."""
+    key = jax.random.key(0)
     model, loss_fn, xs, ys, batch = _task(kind, key)
+    opt_state = _init(model)
+    return key, model, opt_state, loss_fn, xs, ys, batch, _loop(model, opt_state, loss_fn, batch)
+
+
+@pytest.mark.parametrize("kind, entry", _params("haliax") + _params("equinox"))
+def test_the_readme_step_trains_through_every_entry_point(kind, entry, tmp_path):
+    key, model, opt_state, loss_fn, xs, ys, batch, want = _reference(kind)
     # Nothing in a converted model is anything but an array (static fields aside).
     assert all(eqx.is_array(leaf) for leaf in jax.tree.leaves(model))
-    opt_state = _init(model)
-    want = _loop(model, opt_state, loss_fn, batch)
     kwargs = {}
     if entry in ("tree_deserialise_leaves", "orbax_restore"):
         kwargs["fresh"] = _task(kind, jax.random.fold_in(key, 1))[0]  # another initialisation as the template
