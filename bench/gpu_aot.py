@@ -207,8 +207,7 @@ def compile_one(step_name: str, variant: str, sizes, mesh, dump: Path | None, re
     import haliax as hax
     import jax
     import optax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     init, axes, dtype = _models(sizes)[step_name]
     model = eqx.filter_eval_shape(lambda key: _build(variant, init(key)), jax.random.PRNGKey(0))

@@ -143,8 +143,7 @@ def gpu_worker(sizes) -> dict:
     import haliax as hax
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     mesh = gpu_aot.topology_mesh()
     replicated = NamedSharding(mesh, P())

@@ -29,8 +29,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from gpu_aot import H100_TARGET  # noqa: E402
 from jax.experimental import topologies  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 import fp8ax  # noqa: E402
 

@@ -278,8 +278,7 @@ def gpu_aot(sizes, repeat) -> dict:
     import jax
     import jax.numpy as jnp
     import optax
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     replicated = NamedSharding(gpu_aot.topology_mesh(), P())
     opt = optax.adamw(1e-3, weight_decay=0.1)

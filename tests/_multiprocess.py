@@ -52,8 +52,11 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
-from jax.sharding import Mesh, NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
+from jax.sharding import (  # noqa: E402
+    Mesh,
+    NamedSharding,
+    PartitionSpec as P,  # noqa: E402
+)
 
 sys.path.insert(0, os.path.dirname(__file__))
 import fp8ax  # noqa: E402

@@ -92,8 +92,7 @@ def b200():
 def _block_step_program(mesh, recipe, block_scaled_gemm) -> str:
     """The optimised HLO of the three GEMMs of a block-scaled layer (forward, input and
     weight gradient), compiled for `mesh`'s GPU."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     dg = fp8ax.Fp8DotGeneral.init(recipe, block_scaled_gemm=block_scaled_gemm)
     rep = NamedSharding(mesh, P())
@@ -130,8 +129,7 @@ def test_block_gemms_are_blackwell_block_scaled_gemms(b200, recipe, values, scal
 def _step(mesh, mode):
     """`(jitted step, abstract arguments placed on the described H100)`: the gradient of
     one FP8 layer's output, the layer in `mode`."""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     dg = fp8ax.Fp8DotGeneral.init(mode=mode)
     rep = NamedSharding(mesh, P())
@@ -321,8 +319,7 @@ def test_grouped_gemms_run_on_fp8_operands(h100, per_expert):
     FP8 GEMMs in the H100 program, with no FP8 operand dequantised first. (XLA:GPU
     expands a ragged dot into a dense GEMM over every expert, masked: bench/moe.py
     measures that; this checks that the operands reach it in FP8.)"""
-    from jax.sharding import NamedSharding
-    from jax.sharding import PartitionSpec as P
+    from jax.sharding import NamedSharding, PartitionSpec as P
 
     mesh, gpu_hlo = h100
     recipe = fp8ax.DelayedScaling(calibrate_first_call=False)

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 
 import fp8ax
-from helpers import train_step
-from helpers import walk_train_step as _walk_step
+from helpers import train_step, walk_train_step as _walk_step
 
 
 def _model(getkey, recipe=None):

@@ -10,8 +10,7 @@ what to install.
 
 import functools
 import warnings
-from importlib.metadata import PackageNotFoundError
-from importlib.metadata import version as _version
+from importlib.metadata import PackageNotFoundError, version as _version
 
 import haliax as hax
 import jax

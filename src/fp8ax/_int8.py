@@ -6,8 +6,7 @@ from jax import lax
 from jaxtyping import Array, ArrayLike
 
 from . import _formats
-from ._layout import DimensionNumbers, rescale
-from ._layout import normalise_axes as _normalise_axes
+from ._layout import DimensionNumbers, normalise_axes as _normalise_axes, rescale
 
 INT8_MAX = 127
 

@@ -44,9 +44,7 @@ import numpy as np
 from jax import lax
 from jax.custom_batching import custom_vmap
 from jax.extend.core import Primitive as _Primitive
-from jax.interpreters import ad as _ad
-from jax.interpreters import batching as _batching
-from jax.interpreters import mlir as _mlir
+from jax.interpreters import ad as _ad, batching as _batching, mlir as _mlir
 
 from . import _boundaries
 
