@@ -31,7 +31,7 @@ LAYERS = [
         "_layout",
         "_maxgrad",
         "_boundaries",
-        "_haliax_compat",
+        "_haliax",
         "_accumulation",
     },
     {"_quantized", "_state"},

@@ -2,12 +2,12 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import equinox as eqx
-import haliax as hax
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
+from . import _haliax
 from ._state import _is_owg
 
 T = TypeVar("T")
@@ -164,7 +164,7 @@ def microbatched(fn: Callable[..., T], num_microbatches: int, *, average: bool =
 
 def _split_batch(batch: tuple, k: int):
     """`(arrays of shape (k, n // k, ...), rebuild)`; `rebuild` restores the batch structure."""
-    is_named = lambda x: isinstance(x, hax.NamedArray)  # noqa: E731
+    is_named = _haliax.is_named
     leaves, treedef = jtu.tree_flatten_with_path(batch, is_leaf=is_named)
     arrays, axes = [], []
     for path, leaf in leaves:
@@ -180,7 +180,7 @@ def _split_batch(batch: tuple, k: int):
         axes.append((leaf.axes[0].resize(n // k), *leaf.axes[1:]) if named else None)
 
     def rebuild(parts):
-        out = [p if ax is None else hax.NamedArray(p, ax) for p, ax in zip(parts, axes)]
+        out = [p if ax is None else _haliax.hax().NamedArray(p, ax) for p, ax in zip(parts, axes)]
         return jtu.tree_unflatten(treedef, out)
 
     return arrays, rebuild

@@ -12,12 +12,11 @@ import pathlib
 from typing import BinaryIO, TypeVar
 
 import equinox as eqx
-import haliax as hax
-import haliax.nn as hnn
 import jax
 import jax.tree_util as jtu
 import numpy as np
 
+from . import _haliax
 from ._dot_general import Fp8DotGeneral
 from ._serving import ServingHaliaxLinear, ServingLinear
 from ._state import ScalingState
@@ -25,7 +24,9 @@ from ._transform import Fp8Linear, path_str
 
 T = TypeVar("T")
 
-_LAYERS = (hnn.Linear, eqx.nn.Linear, Fp8Linear, ServingLinear, ServingHaliaxLinear)
+
+def _is_layer(x) -> bool:
+    return isinstance(x, eqx.nn.Linear | Fp8Linear | ServingLinear | ServingHaliaxLinear) or _haliax.is_linear(x)
 
 
 def _records(f: BinaryIO) -> list[tuple[tuple[int, ...], str]]:
@@ -77,7 +78,7 @@ def _show(sig) -> str:
 def _kind_of_layer(layer) -> str:
     if isinstance(layer, ServingLinear | ServingHaliaxLinear):
         return "serving"
-    if isinstance(layer, Fp8Linear) or (isinstance(layer, hnn.Linear) and isinstance(layer.dot_general, Fp8DotGeneral)):
+    if isinstance(layer, Fp8Linear) or (_haliax.is_linear(layer) and isinstance(layer.dot_general, Fp8DotGeneral)):
         dg = layer.dot_general
         return "fp8" if dg.lhs is not None else "fp8-stateless"
     return "plain"
@@ -168,7 +169,7 @@ def _advice(like_kind: str, ckpt_kind: str | None) -> str:
 
 def _weight_shape(layer) -> tuple[int, ...]:
     w = layer.weight
-    return tuple(w.array.shape) if isinstance(w, hax.NamedArray) else tuple(np.shape(w))
+    return tuple(w.array.shape) if _haliax.is_named(w) else tuple(np.shape(w))
 
 
 def check_checkpoint(path_or_file, like) -> None:
@@ -177,8 +178,8 @@ def check_checkpoint(path_or_file, like) -> None:
     records = _read(path_or_file, _records)
     leaves = [(p, x) for p, x in jtu.tree_flatten_with_path(like)[0] if _writes_record(x)]
     layers = []  # (path, layer, index of its first record-writing leaf, index after its last)
-    for lp, lx in jtu.tree_flatten_with_path(like, is_leaf=lambda x: isinstance(x, _LAYERS))[0]:
-        if isinstance(lx, _LAYERS):
+    for lp, lx in jtu.tree_flatten_with_path(like, is_leaf=_is_layer)[0]:
+        if _is_layer(lx):
             own = [j for j, (p, _) in enumerate(leaves) if tuple(p[: len(lp)]) == tuple(lp)]
             if own:
                 layers.append((lp, lx, own[0], own[-1] + 1))
@@ -326,7 +327,7 @@ def _names(path) -> tuple[str, ...]:
 def _has_shape(x) -> bool:
     # An array, a `jax.ShapeDtypeStruct` or a checkpointer's description of an array
     # (Orbax's `ArrayMetadata`); not a NamedArray, whose array is its child.
-    return not isinstance(x, hax.NamedArray) and hasattr(x, "shape") and hasattr(x, "dtype")
+    return not _haliax.is_named(x) and hasattr(x, "shape") and hasattr(x, "dtype")
 
 
 def _kind_of_entries(entries: dict[tuple[str, ...], tuple[tuple[int, ...], str | None]], weight_shape) -> str | None:
@@ -381,11 +382,7 @@ def check_checkpoint_metadata(metadata, like) -> None:
         for p, x in jtu.tree_flatten_with_path(like, is_leaf=_has_shape)[0]
         if _writes_record(x) or _has_shape(x)
     ]
-    layers = [
-        (_names(lp), lx)
-        for lp, lx in jtu.tree_flatten_with_path(like, is_leaf=lambda x: isinstance(x, _LAYERS))[0]
-        if isinstance(lx, _LAYERS)
-    ]
+    layers = [(_names(lp), lx) for lp, lx in jtu.tree_flatten_with_path(like, is_leaf=_is_layer)[0] if _is_layer(lx)]
 
     def layer_error(names, detail):
         for lp, lx in layers:
@@ -394,7 +391,7 @@ def check_checkpoint_metadata(metadata, like) -> None:
             like_kind = _kind_of_layer(lx)
             entries = {n[len(lp) :]: sig for n, sig in saved.items() if n[: len(lp)] == lp}
             w = lx.weight
-            shape = tuple((w.array if isinstance(w, hax.NamedArray) else w).shape)
+            shape = tuple((w.array if _haliax.is_named(w) else w).shape)
             ckpt_kind = _kind_of_entries(entries, shape)
             if ckpt_kind == like_kind.replace("-stateless", ""):
                 ckpt_kind = None

@@ -19,7 +19,6 @@ import functools
 import warnings
 from typing import NamedTuple
 
-import haliax as hax
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +26,7 @@ from jax import lax
 from jax.custom_batching import custom_vmap
 from jaxtyping import Array
 
-from . import _boundaries
+from . import _boundaries, _haliax
 from ._accumulation import emulated_dot_general
 from ._boundaries import vma
 from ._current import content_key
@@ -84,8 +83,9 @@ def _lay_out_by_axis_mapping(q, axes: tuple[str, ...] | None):
     XLA:CPU widens it to float32 before partitioning and gathers 4 bytes per value."""
     if axes is None or len(axes) != q.ndim:
         return q
-    if hax.partitioning.current_thread_local_mapping() is None:
+    if _haliax.current_axis_mapping() is None:
         return q
+    hax = _haliax.hax()
     bits = lax.bitcast_convert_type(q, jnp.uint8)
     named = hax.NamedArray(bits, tuple(hax.Axis(name, size) for name, size in zip(axes, q.shape)))
     return lax.bitcast_convert_type(hax.shard(named).array, q.dtype)

@@ -17,12 +17,12 @@
 # result is multiplied by the scales, gathered per row for the group-dependent ones;
 # otherwise (MX and other block scales, `"qdq"` mode) the operands are dequantised and
 # the ragged dot runs in float32.
+from __future__ import annotations
+
 import functools
-from typing import NamedTuple, Unpack
+from typing import TYPE_CHECKING, NamedTuple, Unpack
 
 import equinox as eqx
-import haliax as hax
-import haliax.nn as hnn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +30,11 @@ from jax import lax
 from jax.custom_batching import custom_vmap
 from jaxtyping import Array, ArrayLike, PRNGKeyArray
 
+if TYPE_CHECKING:
+    import haliax as hax
+    import haliax.nn as hnn
+
+from . import _haliax
 from ._boundaries import check_eager_shard_map, vma
 from ._current import content_key
 from ._dot_general import Fp8DotGeneral, _check_operand, advise_gpu_compile
@@ -467,7 +472,7 @@ class Fp8RaggedDot(Fp8DotGeneral):
         batch_shape: tuple[int, ...] = (),
         mode: Mode = "direct",
         **gemm: Unpack[GemmKeywords],
-    ) -> "Fp8RaggedDot":
+    ) -> Fp8RaggedDot:
         """Builds an `Fp8RaggedDot` with fresh state (scale 1, empty history).
 
         **Arguments:**
@@ -615,11 +620,11 @@ class Fp8MoELinear(eqx.Module):
     use_gmm: bool = eqx.field(static=True)
 
     @classmethod
-    def from_moe_linear(cls, layer: hnn.MoELinear, make_ragged) -> "Fp8MoELinear":
+    def from_moe_linear(cls, layer: hnn.MoELinear, make_ragged) -> Fp8MoELinear:
         """`layer` with an FP8 grouped GEMM; `make_ragged(batch_shape, num_experts)`
         builds the [`fp8ax.Fp8RaggedDot`][]."""
         for name in ("Experts", "In", "Out"):
-            if not isinstance(getattr(layer, name), hax.Axis):
+            if not _haliax.is_axis(getattr(layer, name)):
                 raise TypeError(
                     f"fp8ax converts `haliax.nn.MoELinear` layers whose `{name}` is one axis, got "
                     f"{getattr(layer, name)!r}."
@@ -631,7 +636,7 @@ class Fp8MoELinear(eqx.Module):
 
     def to_moe_linear(self) -> hnn.MoELinear:
         """The plain `haliax.nn.MoELinear` with the same weights (the FP8 state dropped)."""
-        return hnn.MoELinear(self.weight, self.bias, self.Experts, self.In, self.Out, use_gmm=self.use_gmm)
+        return _haliax.hnn().MoELinear(self.weight, self.bias, self.Experts, self.In, self.Out, use_gmm=self.use_gmm)
 
     @jax.named_scope("fp8ax.Fp8MoELinear")
     def __call__(
@@ -652,6 +657,7 @@ class Fp8MoELinear(eqx.Module):
 def moe_call(layer, inputs: hax.NamedArray, group_sizes: hax.NamedArray, grouped) -> hax.NamedArray:
     """`haliax.nn.MoELinear`'s call with its grouped GEMM replaced by `grouped(x, sizes)`
     on the tokens flattened to (M, In) and the (Experts,) group sizes."""
+    hax = _haliax.hax()
     x = inputs.rearrange((..., layer.In))
     lead = x.axes[:-1]
     rows = int(np.prod([ax.size for ax in lead], dtype=np.int64))

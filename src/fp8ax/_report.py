@@ -5,10 +5,9 @@ import dataclasses
 from typing import Any, Literal
 
 import equinox as eqx
-import haliax as hax
-import haliax.nn as hnn
 import jax.tree_util as jtu
 
+from . import _haliax
 from ._config import Fp8Config
 from ._ragged import Fp8MoELinear
 from ._transform import (
@@ -27,16 +26,26 @@ Action = Literal["convert", "keep", "skip", "unsupported"]
 _RECURRENT = "a recurrent cell: its matmuls are written inside the cell, not as linear layers"
 # Layer kinds fp8ax leaves alone, and why. `MultiheadAttention` is listed apart: its
 # projections are linear layers (converted), the attention-score matmuls are not.
-_NOT_CONVERTED: tuple[tuple[type, str], ...] = (
+_EQX_NOT_CONVERTED: tuple[tuple[type, str], ...] = (
     (eqx.nn.Conv, "a convolution: fp8ax converts linear layers only"),
     (eqx.nn.ConvTranspose, "a transposed convolution: fp8ax converts linear layers only"),
     (eqx.nn.GRUCell, _RECURRENT),
     (eqx.nn.LSTMCell, _RECURRENT),
     (eqx.nn.Embedding, "a lookup (gather), not a matmul"),
-    (hnn.Conv, "a convolution: fp8ax converts linear layers only"),
-    (hnn.ConvTranspose, "a transposed convolution: fp8ax converts linear layers only"),
-    (hnn.Embedding, "a lookup, not a matmul (its `unembed`, as a tied output head, stays in high precision)"),
 )
+
+
+def _not_converted() -> tuple[tuple[type, str], ...]:
+    if not _haliax.loaded():
+        return _EQX_NOT_CONVERTED
+    hnn = _haliax.hnn()
+    return _EQX_NOT_CONVERTED + (
+        (hnn.Conv, "a convolution: fp8ax converts linear layers only"),
+        (hnn.ConvTranspose, "a transposed convolution: fp8ax converts linear layers only"),
+        (hnn.Embedding, "a lookup, not a matmul (its `unembed`, as a tied output head, stays in high precision)"),
+    )
+
+
 _ATTENTION = (
     "its q/k/v/output projections are linear layers (rows below); the attention-score matmuls "
     "(q.k and weights.v) stay in high precision"
@@ -152,7 +161,8 @@ def _targets_str(targets) -> str:
 
 def _kind(layer: Any) -> str:
     cls = type(layer)
-    for prefix, module in (("eqx.nn.", eqx.nn), ("hax.nn.", hnn)):
+    modules = [("eqx.nn.", eqx.nn)] + ([("hax.nn.", _haliax.hnn())] if _haliax.loaded() else [])
+    for prefix, module in modules:
         if getattr(module, cls.__name__, None) is cls:
             return prefix + cls.__name__
     if cls is Fp8Linear:
@@ -163,7 +173,7 @@ def _kind(layer: Any) -> str:
 
 
 def _stacked(layer: Any) -> tuple[int, ...]:
-    if isinstance(layer, hnn.Linear | hnn.MoELinear | Fp8MoELinear):
+    if _haliax.is_linear(layer) or _haliax.is_moe_linear(layer) or isinstance(layer, Fp8MoELinear):
         return _haliax_batch_shape(layer)
     return tuple(int(d) for d in layer.weight.shape[:-2])
 
@@ -178,11 +188,11 @@ def _other_sizes(layer: Any) -> tuple[int | None, int | None]:
     if isinstance(layer, eqx.nn.MultiheadAttention):
         return layer.query_size, layer.output_size
     In, Out = getattr(layer, "In", None), getattr(layer, "Out", None)
-    if isinstance(layer, hnn.Embedding):
+    if _haliax.loaded() and isinstance(layer, _haliax.hnn().Embedding):
         In, Out = layer.Vocab, layer.Embed
     sizes = []
     for spec in (In, Out):
-        sizes.append(_axis_size(spec) if isinstance(spec, hax.Axis | tuple) else None)
+        sizes.append(_axis_size(spec) if (isinstance(spec, tuple) or _haliax.is_axis(spec)) else None)
     return sizes[0], sizes[1]
 
 
@@ -216,7 +226,8 @@ def conversion_report(module: Any, config: Fp8Config | None = None) -> Conversio
         config = Fp8Config()
     if not isinstance(config, Fp8Config):
         raise TypeError(f"`config` must be an `fp8ax.Fp8Config`, got {type(config).__name__}.")
-    other = tuple(kind for kind, _ in _NOT_CONVERTED)
+    not_converted = _not_converted()
+    other = tuple(kind for kind, _ in not_converted)
 
     def stop(x):
         return _is_linear(x) or isinstance(x, other)
@@ -233,7 +244,7 @@ def conversion_report(module: Any, config: Fp8Config | None = None) -> Conversio
             fin, fout = _features(node)
             rows.append(LayerConversion(p, _kind(node), fin, fout, _stacked(node), d.action, d.reason))
         else:
-            reason = next(why for kind, why in _NOT_CONVERTED if isinstance(node, kind))
+            reason = next(why for kind, why in not_converted if isinstance(node, kind))
             rows.append(LayerConversion(p, _kind(node), *_other_sizes(node), (), "unsupported", reason))
     # Attention modules hold linear layers, so they are found in a second pass and listed
     # just before their projections.

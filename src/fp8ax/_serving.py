@@ -12,13 +12,12 @@
 # uint8 for FP8 (and E8M0 scales), one 4-bit code per uint8 for FP4, int8 as int8.
 # Decoding is a bitcast (exact) inside the forward.
 
+from __future__ import annotations
+
 import functools
-from typing import Any, Literal, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeVar
 
 import equinox as eqx
-import haliax as hax
-import haliax.nn as hnn
-import haliax.quantization as haxq
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
@@ -27,9 +26,12 @@ from jax import lax
 from jax.custom_derivatives import SymbolicZero
 from jaxtyping import Array, PRNGKeyArray
 
-from . import _formats
+if TYPE_CHECKING:
+    import haliax as hax
+    import haliax.nn as hnn
+
+from . import _formats, _haliax
 from ._dot_general import Fp8DotGeneral, _check_operand, make_call
-from ._haliax_compat import require_haliax_matmul
 from ._pipeline import Call, _gemm, _quantise, vma
 from ._quantized import QuantizedArray
 from ._ragged import (
@@ -262,7 +264,7 @@ class ServingDotGeneral(eqx.Module):
         del prefix
         return {}
 
-    def from_state_dict(self, state_dict: dict, prefix: str | None = None) -> "ServingDotGeneral":
+    def from_state_dict(self, state_dict: dict, prefix: str | None = None) -> ServingDotGeneral:
         """Haliax state-dict hook: keeps this module as it is."""
         del state_dict, prefix
         return self
@@ -332,7 +334,8 @@ class ServingHaliaxLinear(eqx.Module):
         A `NamedArray` with the `In` axes replaced by `Out`.
         """
         del key
-        require_haliax_matmul("fp8ax.ServingHaliaxLinear")
+        _haliax.require_haliax_matmul("fp8ax.ServingHaliaxLinear")
+        hax = _haliax.hax()
         dg = self.dot_general
         axes = self.weight.axes
         if dg.packed_length is not None:  # FP4 values, packed along the last axis
@@ -478,7 +481,7 @@ def _is_serving(x) -> bool:
 
 
 def _axis_names(spec) -> set[str]:
-    return {spec.name} if isinstance(spec, hax.Axis) else {a.name for a in spec}
+    return {spec.name} if _haliax.is_axis(spec) else {a.name for a in spec}
 
 
 def _vmapped(f, n: int):
@@ -593,7 +596,7 @@ def _convert_eqx(layer: str, lin: Fp8Linear, check: bool) -> ServingLinear:
 
 
 def _convert_haliax(layer: str, lin: hnn.Linear, check: bool) -> ServingHaliaxLinear:
-    require_haliax_matmul("fp8ax.to_serving")
+    _haliax.require_haliax_matmul("fp8ax.to_serving")
     own = _axis_names(lin.In) | _axis_names(lin.Out)
     names = [ax.name for ax in lin.weight.axes]
     n_batch = sum(n not in own for n in names)
@@ -611,7 +614,7 @@ def _convert_haliax(layer: str, lin: hnn.Linear, check: bool) -> ServingHaliaxLi
     axes = lin.weight.axes
     if dg.packed_length is not None:  # FP4: two values per byte along the last axis
         axes = axes[:-1] + (axes[-1].resize(weight.shape[-1]),)
-    return ServingHaliaxLinear(hax.NamedArray(weight, axes), lin.bias, dg, lin.In, lin.Out)
+    return ServingHaliaxLinear(_haliax.hax().NamedArray(weight, axes), lin.bias, dg, lin.In, lin.Out)
 
 
 def _convert_moe(layer: str, lin: Fp8MoELinear, check: bool) -> ServingMoELinear:
@@ -685,11 +688,13 @@ def _convert_moe(layer: str, lin: Fp8MoELinear, check: bool) -> ServingMoELinear
     axes = tuple(batch) + tuple(own)
     if ragged.packed_length is not None:
         axes = axes[:-1] + (axes[-1].resize(values.shape[-1]),)
-    return ServingMoELinear(hax.NamedArray(values, axes), lin.bias, ragged, lin.Experts, lin.In, lin.Out, lin.use_gmm)
+    return ServingMoELinear(
+        _haliax.hax().NamedArray(values, axes), lin.bias, ragged, lin.Experts, lin.In, lin.Out, lin.use_gmm
+    )
 
 
 def _is_node(x) -> bool:
-    return isinstance(x, hnn.Linear | eqx.nn.Linear | Fp8Linear | Fp8MoELinear) or _is_serving(x)
+    return isinstance(x, eqx.nn.Linear | Fp8Linear | Fp8MoELinear) or _haliax.is_linear(x) or _is_serving(x)
 
 
 def _convert(model, check: bool):
@@ -710,10 +715,12 @@ def _convert(model, check: bool):
         if isinstance(node, Fp8MoELinear):
             converted.append(layer)
             return _convert_moe(layer, node, check)
-        if isinstance(node, hnn.Linear) and isinstance(node.dot_general, Fp8DotGeneral):
+        if _haliax.is_linear(node) and isinstance(node.dot_general, Fp8DotGeneral):
             converted.append(layer)
             return _convert_haliax(layer, node, check)
-        if isinstance(node, hnn.Linear) and isinstance(node.dot_general, haxq.Fp8DotGeneralOp | haxq.Int8DotGeneralOp):
+        if _haliax.is_linear(node) and isinstance(
+            node.dot_general, _haliax.haxq().Fp8DotGeneralOp | _haliax.haxq().Int8DotGeneralOp
+        ):
             raise ValueError(
                 f"Layer `{layer}` uses Haliax's own {type(node.dot_general).__name__}, which `fp8ax.to_serving` "
                 "cannot convert. Convert the model with `fp8ax.fp8_linear_layers` instead of "

@@ -1,12 +1,13 @@
 import weakref
 from typing import Any, ClassVar
 
-import haliax.quantization as _haxq
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
+from . import _haliax
 from ._boundaries import check_eager_shard_map
 from ._formats import select
 from ._maxgrad import as_f32, is_max, to_f32, to_max
@@ -230,15 +231,20 @@ def _short(x) -> str:
     return f"{dtype}{list(shape)}"
 
 
-class OverwriteWithGradient(_haxq.OverwriteWithGradient):
+@_haliax.overwrite_with_gradient_class
+class OverwriteWithGradient(eqx.Module):
     """Marker base class: the "gradient" of this module's leaves is their new value.
 
-    Subclasses `haliax.quantization.OverwriteWithGradient`, so training code written
-    against Haliax's helpers (Levanter's trainer, for one) recognises fp8ax modules too,
-    and fp8ax's helpers recognise Haliax's.
+    Once the program has imported Haliax, this is also a (virtual) subclass of
+    `haliax.quantization.OverwriteWithGradient`, so training code written against
+    Haliax's helpers (Levanter's trainer, for one) recognises fp8ax modules too, and
+    fp8ax's helpers recognise Haliax's.
     """
+
+    def __check_init__(self):
+        _haliax.loaded()  # a module built after `import haliax` is one Haliax's helpers know
 
 
 def _is_owg(x: Any) -> bool:
-    # Haliax's base class: covers fp8ax modules and Haliax's own FP8 ops.
-    return isinstance(x, _haxq.OverwriteWithGradient)
+    # fp8ax's modules, and Haliax's own FP8 and int8 ops.
+    return isinstance(x, OverwriteWithGradient) or _haliax.is_overwrite_with_gradient(x)

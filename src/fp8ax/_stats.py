@@ -16,14 +16,13 @@ from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
-import haliax.nn as hnn
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array
 
-from . import _formats
+from . import _formats, _haliax
 from ._dot_general import Fp8DotGeneral
 from ._layout import bwd_layout
 from ._maxgrad import merged_amax
@@ -56,7 +55,7 @@ def _layers(model) -> list[tuple[str, Fp8DotGeneral, tuple[int, ...]]]:
 
 def _is_holder(x) -> bool:
     return isinstance(x, Fp8DotGeneral | Fp8Linear) or (
-        isinstance(x, hnn.Linear) and isinstance(x.dot_general, Fp8DotGeneral)
+        _haliax.is_linear(x) and isinstance(x.dot_general, Fp8DotGeneral)
     )
 
 
@@ -67,7 +66,7 @@ def _state_shape(dg: Fp8DotGeneral) -> tuple[int, ...]:
 
 
 def _holder_shape(layer) -> tuple[int, ...]:
-    if isinstance(layer, hnn.Linear):
+    if _haliax.is_linear(layer):
         return _haliax_batch_shape(layer)
     return tuple(int(d) for d in layer.weight.shape[:-2])
 
@@ -225,7 +224,7 @@ def _wrapped(model, layers):
             return wrap(node)
         if isinstance(node, Fp8Linear):
             return eqx.tree_at(lambda m: m.dot_general, node, wrap(node.dot_general))
-        if isinstance(node, hnn.Linear) and isinstance(node.dot_general, Fp8DotGeneral):
+        if _haliax.is_linear(node) and isinstance(node.dot_general, Fp8DotGeneral):
             return eqx.tree_at(lambda m: m.dot_general, node, wrap(node.dot_general))
         return node
 

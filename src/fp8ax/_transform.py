@@ -1,20 +1,22 @@
+from __future__ import annotations
+
 import dataclasses
 import difflib
 import math
-from typing import Any, Literal, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeVar
 
 import equinox as eqx
-import haliax as hax
-import haliax.nn as hnn
-import haliax.quantization as haxq
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
 from jaxtyping import Array, PRNGKeyArray
 
+if TYPE_CHECKING:
+    import haliax.nn as hnn
+
+from . import _haliax
 from ._config import Fp8Config
 from ._dot_general import Fp8DotGeneral
-from ._haliax_compat import require_haliax_matmul
 from ._ragged import Fp8MoELinear
 
 T = TypeVar("T")
@@ -37,7 +39,7 @@ class Fp8Linear(eqx.Module):
     use_bias: bool = eqx.field(static=True)
 
     @classmethod
-    def from_linear(cls, linear: eqx.nn.Linear, config: Fp8Config | None = None) -> "Fp8Linear":
+    def from_linear(cls, linear: eqx.nn.Linear, config: Fp8Config | None = None) -> Fp8Linear:
         """Wraps an `equinox.nn.Linear` (its arrays are shared, not copied).
 
         **Arguments:**
@@ -107,35 +109,39 @@ def linear_call(layer, x, weight) -> Array:
 
 
 def _is_linear(x: Any) -> bool:
-    return isinstance(x, hnn.Linear | eqx.nn.Linear | Fp8Linear | hnn.MoELinear | Fp8MoELinear)
+    return isinstance(x, eqx.nn.Linear | Fp8Linear | Fp8MoELinear) or _haliax.is_linear(x) or _haliax.is_moe_linear(x)
 
 
 def _is_fp8(layer: Any) -> bool:
     if isinstance(layer, Fp8Linear | Fp8MoELinear):
         return True
-    if isinstance(layer, hnn.MoELinear):
+    if not _haliax.is_linear(layer):
         return False
-    return isinstance(layer, hnn.Linear) and not isinstance(layer.dot_general, haxq.DefaultDotGeneralOp)
+    return not isinstance(layer.dot_general, _haliax.haxq().DefaultDotGeneralOp)
 
 
 def _axis_size(spec) -> int:
-    if isinstance(spec, hax.Axis):
+    if _haliax.is_axis(spec):
         return spec.size
     return math.prod(a.size for a in spec)
 
 
 def _axis_names(spec) -> set[str]:
-    if isinstance(spec, hax.Axis):
+    if _haliax.is_axis(spec):
         return {spec.name}
     return {a.name for a in spec}
 
 
 def _features(layer) -> tuple[int, int]:
-    if isinstance(layer, hnn.Linear | hnn.MoELinear | Fp8MoELinear):
+    if _is_haliax_layer(layer):
         return _axis_size(layer.In), _axis_size(layer.Out)
     fin = 1 if layer.in_features == "scalar" else layer.in_features
     fout = 1 if layer.out_features == "scalar" else layer.out_features
     return fin, fout
+
+
+def _is_haliax_layer(layer) -> bool:
+    return isinstance(layer, Fp8MoELinear) or _haliax.is_linear(layer) or _haliax.is_moe_linear(layer)
 
 
 def _haliax_batch_shape(layer: hnn.Linear) -> tuple[int, ...]:
@@ -143,7 +149,7 @@ def _haliax_batch_shape(layer: hnn.Linear) -> tuple[int, ...]:
     # the Block axes added by `haliax.nn.Stacked` (or an ensemble axis): one FP8 state per
     # stacked layer.
     own = _axis_names(layer.In) | _axis_names(layer.Out)
-    if isinstance(layer, hnn.MoELinear | Fp8MoELinear):
+    if isinstance(layer, Fp8MoELinear) or _haliax.is_moe_linear(layer):
         own |= _axis_names(layer.Experts)
     return tuple(ax.size for ax in layer.weight.axes if ax.name not in own)
 
@@ -198,8 +204,8 @@ def decide(path: str, layer: Any, config: Fp8Config) -> Decision:
 def _converted(node, config: Fp8Config):
     if isinstance(node, eqx.nn.Linear):
         return Fp8Linear.from_linear(node, config)
-    if isinstance(node, hnn.MoELinear):
-        names = tuple(getattr(node, a).name for a in ("Experts", "In", "Out") if isinstance(getattr(node, a), hax.Axis))
+    if _haliax.is_moe_linear(node):
+        names = tuple(getattr(node, a).name for a in ("Experts", "In", "Out") if _haliax.is_axis(getattr(node, a)))
         return Fp8MoELinear.from_moe_linear(node, lambda bs, g: config.make_ragged_dot(bs, g, names))
     own = _axis_names(node.In) | _axis_names(node.Out)
     rhs_axes = tuple(ax.name for ax in node.weight.axes if ax.name in own)
@@ -252,8 +258,8 @@ def fp8_linear_layers(module: T, config: Fp8Config | None = None) -> T:
     def convert(path, node):
         if not _is_linear(node):
             return node
-        if isinstance(node, hnn.Linear):
-            require_haliax_matmul("fp8ax.fp8_linear_layers")
+        if _haliax.is_linear(node):
+            _haliax.require_haliax_matmul("fp8ax.fp8_linear_layers")
         d = decide(path_str(path), node, config)
         decisions.append(d)
         return _converted(node, config) if d.action == "convert" else node
@@ -309,7 +315,9 @@ def _unmatched_targets_message(unmatched: list[str], paths: list[str]) -> str:
 
 
 def _has_fp8_dot_general(layer: Any) -> bool:
-    return isinstance(layer, hnn.Linear) and isinstance(layer.dot_general, Fp8DotGeneral | haxq.Fp8DotGeneralOp)
+    if not _haliax.is_linear(layer):
+        return False
+    return isinstance(layer.dot_general, Fp8DotGeneral | _haliax.haxq().Fp8DotGeneralOp)
 
 
 def strip_fp8(module: T) -> T:
@@ -338,7 +346,7 @@ def strip_fp8(module: T) -> T:
         if isinstance(node, Fp8MoELinear):
             return node.to_moe_linear()
         if _has_fp8_dot_general(node):
-            return dataclasses.replace(node, dot_general=haxq.DotGeneralOp.default())
+            return dataclasses.replace(node, dot_general=_haliax.haxq().DotGeneralOp.default())
         return node
 
     return jtu.tree_map(

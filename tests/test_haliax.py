@@ -1,8 +1,16 @@
-"""fp8ax's Haliax entry points fail with one clear error when Haliax cannot run on the installed JAX.
+"""fp8ax's door to Haliax (`fp8ax/_haliax.py`).
 
-Haliax 1.4.dev453's `hax.dot` calls `jax.core.is_constant_dim`, which jax 0.11 removed. On
-jax 0.10 the tests remove it themselves, so both CI runs check the error.
+- `import fp8ax` imports neither Haliax nor AQT nor Flax; an Equinox model trains without
+  them; once the program imports Haliax, Haliax's own helpers recognise fp8ax's modules.
+- fp8ax's Haliax entry points fail with one clear error when Haliax cannot run on the
+  installed JAX. Haliax 1.4.dev453's `hax.dot` calls `jax.core.is_constant_dim`, which
+  jax 0.11 removed. On jax 0.10 the tests remove it themselves, so both CI runs check the
+  error.
 """
+
+import subprocess
+import sys
+import textwrap
 
 import equinox as eqx
 import haliax as hax
@@ -12,8 +20,62 @@ import pytest
 
 import fp8ax
 from conftest import hax_dot_failure
-from fp8ax._haliax_compat import hax_dot_problem
+from fp8ax._haliax import hax_dot_problem
 from helpers import Batch, HaliaxMLP, In
+
+_WITHOUT_HALIAX = textwrap.dedent(
+    """
+    import sys
+
+    import equinox as eqx
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import fp8ax
+
+    heavy = ("haliax", "aqt", "flax")
+    assert not [m for m in sys.modules if m.split(".")[0] in heavy], sorted(sys.modules)
+
+    # An Equinox model converts, trains a step, reports and serves without them.
+    model = fp8ax.fp8_linear_layers(eqx.nn.MLP(8, 8, 16, 1, key=jax.random.key(0)))
+    opt = fp8ax.skip_fp8_state(optax.adam(1e-3))
+    opt_state = opt.init(eqx.filter(model, eqx.is_array))
+    x = jnp.ones((4, 8))
+    grads = eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+    overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)
+    updates, opt_state = opt.update(grads, opt_state, params=model)
+    model = fp8ax.apply_updates(model, updates, overwrite)
+    fp8ax.check_state(model, written=True)
+    fp8ax.conversion_report(model)
+    fp8ax.scaling_stats(model)
+    fp8ax.to_serving(model)
+    assert not [m for m in sys.modules if m.split(".")[0] in heavy], sorted(sys.modules)
+    dg = model.layers[0].dot_general
+
+    # Haliax imported later: its helpers know fp8ax's modules from the first fp8ax call on.
+    import haliax.quantization as haxq
+
+    fp8ax.partition_for_grad_overwrite(grads)
+    assert isinstance(dg, haxq.OverwriteWithGradient)
+    assert issubclass(fp8ax.Fp8DotGeneral, haxq.OverwriteWithGradient)
+    print("ok")
+    """
+)
+
+
+def test_import_fp8ax_loads_no_haliax_aqt_or_flax():
+    proc = subprocess.run([sys.executable, "-c", _WITHOUT_HALIAX], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_haliax_helpers_recognise_fp8ax_modules():
+    # This process imported Haliax before any fp8ax module was built (the usual order).
+    import haliax.quantization as haxq
+
+    dg = fp8ax.Fp8DotGeneral.init()
+    assert isinstance(dg, haxq.OverwriteWithGradient)
+    assert isinstance(fp8ax.Fp8RaggedDot.init(num_experts=2), haxq.OverwriteWithGradient)
 
 
 def _remove_is_constant_dim(mp: pytest.MonkeyPatch) -> None:
