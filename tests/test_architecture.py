@@ -1,124 +1,196 @@
-"""The layout of `src/fp8ax`: imports flow one way, from the model-level functions down
-to the numerics, and there is no import cycle.
+"""The shape of `src/fp8ax`: units (a flat module or a private subpackage) in layers, and
+the rules that keep them apart.
 
-Layers, bottom to top (a module may import from its own layer or lower ones only):
+Layers, bottom to top (a unit imports from its own layer or lower ones only; no cycle):
 
-0. numerics: formats, rounding, MX elements, int8, GEMM layout bookkeeping, the
-   max-accumulating dtype, the JAX rules that would sum the state, the host check;
-1. values and state: `QuantizedArray`, `ScalingState`;
-2. recipes (a module that defines a recipe and is not listed below is placed here: a
-   recipe is a plug-in);
-3. the GEMM pipeline and its settings;
-4. modules: `Fp8DotGeneral`, `Fp8Config` (which builds them);
-5. model-level functions: the transform (with `Fp8Linear`), updates, accumulation,
-   distribution, casting, inspection, serving.
+0. numerics and JAX plumbing;
+1. values and state;
+2. recipes;
+3. GEMMs (settings, dimension numbers, kernels, the dense and the grouped custom VJPs);
+4. modules and model layers (the ops, `Fp8Config`, the layers, the transform);
+5. model-level functions: updates, microbatching, distribution, casting, calibration,
+   checkpoints, reports, serving.
+
+Rules, each checked on the real source and shown to fail on a planted violation:
+
+- imports flow downwards, and no unit imports itself back through another (no cycle);
+- no private name crosses units (`from ._x import _name`, or `_x._name` through a module);
+- recipes are leaves: a recipe module imports no other recipe, and only the public
+  `__init__` and the default setting import a concrete recipe;
+- `jax._src` only in the modules of `JAX_SRC`;
+- Haliax only through its door (`_haliax`) and the model layer, imported at run time
+  (inside functions, or for type checkers only); `tests/test_haliax.py` checks that
+  `import fp8ax` loads neither Haliax, AQT nor Flax;
+- docs/how-it-works.md lists the units layer by layer.
 """
 
 import ast
 import pathlib
 import re
 
+import pytest
+
 import fp8ax
 
 SRC = pathlib.Path(fp8ax.__file__).parent
+DOCS = SRC.parents[1] / "docs" / "how-it-works.md"
 
-LAYERS = [
-    {
+UNITS = [
+    [
         "_formats",
         "_rounding",
         "_mx",
         "_int8",
+        "_tiles",
+        "_hadamard",
         "_layout",
+        "_accumulation",
         "_maxgrad",
         "_boundaries",
         "_haliax",
-        "_accumulation",
-    },
-    {"_quantized", "_state"},
-    {"_recipes", "_current"},
-    {"_settings", "_pipeline"},
-    {"_dot_general", "_ragged", "_config"},
-    {
-        "_transform",
+    ],
+    ["_quantized", "_state"],
+    ["_recipes"],
+    ["_settings", "_pipeline"],
+    ["_dot_general", "_ragged", "_config", "_transform"],
+    [
         "_update",
         "_accumulate",
         "_distributed",
         "_cast",
-        "_inspect",
         "_calibrate",
+        "_checkpoint",
+        "_inspect",
         "_report",
         "_stats",
         "_serving",
-        "_checkpoint",
-    },
+    ],
 ]
+# Recipe modules that are not a recipe: the interface, the stateless base and `quantize`.
+RECIPE_SUPPORT = {"__init__", "base", "stateless", "quantize"}
+# Modules that may import a concrete recipe: the public API, and the default setting.
+NAMES_A_RECIPE = {"__init__", "_settings"}
+JAX_SRC = {"_boundaries", "_maxgrad"}
+# Where Haliax may be imported at run time: its door and the model layer.
+HALIAX_OK = {"_haliax", "_transform"}
 
 
-def _imports(path: pathlib.Path) -> set[str]:
-    """fp8ax modules `path` imports, at the top or inside functions."""
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom):
-            if node.level == 1 and node.module:
-                out.add(node.module.split(".")[0])
-            elif node.level == 1:
-                out.update(alias.name for alias in node.names)
-            elif node.module and node.module.startswith("fp8ax."):
-                out.add(node.module.split(".")[1])
-        elif isinstance(node, ast.Import):
-            out.update(a.name.split(".")[1] for a in node.names if a.name.startswith("fp8ax."))
+# ----------------------------------------------------------------------------- reading
+
+
+def _source() -> dict[str, str]:
+    """`{dotted module name relative to fp8ax: source}`, e.g. `_recipes.delayed`."""
+    out = {}
+    for p in SRC.rglob("*.py"):
+        parts = p.relative_to(SRC).with_suffix("").parts
+        out[".".join(parts)] = p.read_text()
     return out
 
 
-def _graph() -> dict[str, set[str]]:
-    return {p.stem: _imports(p) for p in SRC.glob("_*.py") if p.stem != "__init__"}
+def _unit(module: str) -> str:
+    return module.split(".")[0]
 
 
-_RECIPE_BASES = {"AbstractScalingRecipe", "AbstractStatelessRecipe"}
+def _resolve(module: str, node: ast.ImportFrom, source: dict[str, str]) -> tuple[str | None, list[str]]:
+    """`(base, submodules)`: the fp8ax module an import-from reads from (relative name, or
+    None for a package's own `from . import x` at the top, or a third-party import), and
+    the fp8ax modules it imports by name (`from . import _formats`)."""
+    if node.level == 0:
+        if not (node.module or "").startswith("fp8ax"):
+            return None, []
+        base = node.module.split(".")[1:]
+    else:
+        pkg = module.split(".")[:-1]  # the package a module (or a package's __init__) sits in
+        up = node.level - 1
+        base = (pkg[: len(pkg) - up] if up else pkg) + (node.module.split(".") if node.module else [])
+    subs = []
+    for alias in node.names:
+        sub = ".".join([*base, alias.name])
+        if sub in source or f"{sub}.__init__" in source:
+            subs.append(sub)
+    return (".".join(base) or None), subs
 
 
-def _recipe_plugins() -> set[str]:
-    """Modules outside LAYERS that define a recipe (a class deriving from one of the
-    recipe base classes): a recipe is a plug-in, and its module sits in the recipe
-    layer without being listed (docs/recipes.md, "Adding a recipe")."""
-    listed = set().union(*LAYERS)
-    out = set()
-    for p in SRC.glob("_*.py"):
-        if p.stem in listed or p.stem == "__init__":
+class _Imports:
+    """What one module imports: fp8ax modules, names taken from them, attribute reads
+    through imported modules, and third-party roots (with whether at top level)."""
+
+    def __init__(self, module: str, text: str, source: dict[str, str]):
+        tree = ast.parse(text)
+        self.modules: set[str] = set()
+        self.names: list[tuple[str, str]] = []  # (from module, name)
+        self.attributes: list[tuple[str, str]] = []  # (module, attribute)
+        self.external: list[tuple[str, bool]] = []  # (dotted name, at run time at top level)
+        aliases: dict[str, str] = {}
+        type_checking = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                type_checking.update(id(n) for n in ast.walk(node))
+        top = {id(n) for n in tree.body}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                if node.level == 0 and not (node.module or "").startswith("fp8ax"):
+                    if id(node) not in type_checking:
+                        self.external.append((node.module or "", id(node) in top))
+                    continue
+                base, subs = _resolve(module, node, source)
+                self.modules.update(([base] if base else []) + subs)
+                for alias in node.names:
+                    sub = ".".join(filter(None, [base, alias.name]))
+                    if sub in subs:
+                        aliases[alias.asname or alias.name] = sub
+                    elif base:
+                        self.names.append((base, alias.name))
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name.startswith("fp8ax."):
+                        self.modules.add(alias.name.split(".", 1)[1])
+                    elif id(node) not in type_checking:
+                        self.external.append((alias.name, id(node) in top))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in aliases:
+                self.attributes.append((aliases[node.value.id], node.attr))
+
+
+def _all_imports(source: dict[str, str]) -> dict[str, _Imports]:
+    return {m: _Imports(m, text, source) for m, text in source.items()}
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+def _layer_of() -> dict[str, int]:
+    return {u: i for i, units in enumerate(UNITS) for u in units}
+
+
+def unplaced(source: dict[str, str]) -> list[str]:
+    layer = _layer_of()
+    return sorted({_unit(m) for m in source if m != "__init__" and _unit(m) not in layer})
+
+
+def upward(source: dict[str, str]) -> list[str]:
+    layer = _layer_of()
+    out = []
+    for m, imp in _all_imports(source).items():
+        if m == "__init__":
             continue
-        tree = ast.parse(p.read_text())
-        bases = {
-            b.id for n in ast.walk(tree) if isinstance(n, ast.ClassDef) for b in n.bases if isinstance(b, ast.Name)
-        }
-        if bases & _RECIPE_BASES:
-            out.add(p.stem)
-    return out
+        for d in imp.modules:
+            a, b = _unit(m), _unit(d)
+            if a != b and b in layer and layer[b] > layer[a]:
+                out.append(f"{m} (layer {layer[a]}) imports {d} (layer {layer[b]})")
+    return sorted(out)
 
 
-def _layers() -> list[set[str]]:
-    layers = [set(mods) for mods in LAYERS]
-    layers[2] |= _recipe_plugins()
-    return layers
+def unit_graph(source: dict[str, str]) -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for m, imp in _all_imports(source).items():
+        if m == "__init__":
+            continue
+        graph.setdefault(_unit(m), set()).update(_unit(d) for d in imp.modules if _unit(d) != _unit(m))
+    return graph
 
 
-def test_every_module_has_a_layer():
-    placed = set().union(*_layers())
-    modules = set(_graph())
-    assert modules <= placed, f"modules without a layer: {sorted(modules - placed)}"
-
-
-def test_imports_flow_downwards():
-    layer = {m: i for i, mods in enumerate(_layers()) for m in mods}
-    upward = [
-        f"{m} (layer {layer[m]}) imports {d} (layer {layer[d]})"
-        for m, deps in _graph().items()
-        for d in deps
-        if d in layer and layer[d] > layer[m]
-    ]
-    assert not upward, upward
-
-
-def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+def cycle(graph: dict[str, set[str]]) -> list[str] | None:
     state: dict[str, int] = {}
     stack: list[str] = []
 
@@ -140,30 +212,144 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
-def test_no_import_cycle():
-    assert _cycle(_graph()) is None, " -> ".join(_cycle(_graph()))
+def _private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
-def test_cycle_finder_finds_a_cycle():
-    # The check above must be able to fail.
-    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-    assert _cycle({"a": {"b"}, "b": set()}) is None
+def private_crossings(source: dict[str, str]) -> list[str]:
+    out = []
+    for m, imp in _all_imports(source).items():
+        for frm, name in imp.names + imp.attributes:
+            if _unit(frm) != _unit(m) and _private(name) and f"{frm}.{name}" not in source:
+                out.append(f"{m} uses {frm}.{name}")
+    return sorted(out)
 
 
-def test_how_it_works_lists_every_module_in_its_layer():
-    # docs/how-it-works.md names the modules layer by layer, in the order of LAYERS.
-    text = (SRC.parents[1] / "docs" / "how-it-works.md").read_text()
-    paragraph = text[text.index("The source follows the same order") :]
-    paragraph = paragraph[: paragraph.index("\n\n")]
-    named = re.findall(r"`(_[a-z0-9_]+)`", paragraph)
-    groups, i = [], 0
-    for layer in LAYERS:
-        groups.append(set(named[i : i + len(layer)]))
-        i += len(layer)
-    assert groups == LAYERS and i == len(named), named
-    assert set(named) == {p.stem for p in SRC.glob("_*.py")} - {"__init__"} - _recipe_plugins()
+def _concrete_recipes(source: dict[str, str]) -> set[str]:
+    return {m for m in source if _unit(m) == "_recipes" and "." in m and m.split(".", 1)[1] not in RECIPE_SUPPORT}
 
 
-def test_recipe_plugins_are_found():
-    # `_blockwise` is listed nowhere: it is placed because it defines a recipe.
-    assert "_blockwise" in _recipe_plugins() and "_blockwise" not in set().union(*LAYERS)
+def recipe_leaks(source: dict[str, str]) -> list[str]:
+    concrete = _concrete_recipes(source)
+    out = []
+    for m, imp in _all_imports(source).items():
+        for d in imp.modules & concrete:
+            if m in concrete:
+                out.append(f"recipe {m} imports recipe {d}")
+            elif _unit(m) != "_recipes" and m not in NAMES_A_RECIPE:
+                out.append(f"{m} imports the concrete recipe {d}")
+        if _unit(m) == "_recipes" and m.split(".", 1)[-1] == "__init__" and imp.modules & concrete:
+            out.append(f"{m} imports a concrete recipe ({sorted(imp.modules & concrete)})")
+    return sorted(out)
+
+
+def jax_src_users(source: dict[str, str]) -> list[str]:
+    out = []
+    for m, imp in _all_imports(source).items():
+        if _unit(m) in JAX_SRC:
+            continue
+        out += [f"{m} imports {name}" for name, _ in imp.external if name == "jax._src" or name.startswith("jax._src.")]
+    return sorted(out)
+
+
+def haliax_imports(source: dict[str, str]) -> list[str]:
+    out = []
+    for m, imp in _all_imports(source).items():
+        for name, top in imp.external:
+            if name.split(".")[0] not in ("haliax", "aqt", "flax"):
+                continue
+            if _unit(m) not in HALIAX_OK:
+                out.append(f"{m} imports {name} (only the door `_haliax` and the model layer may)")
+            elif top:
+                out.append(f"{m} imports {name} at import time (import it where a Haliax object is in hand)")
+    return sorted(out)
+
+
+# ----------------------------------------------------------------------------- the real source
+
+
+def test_every_unit_has_a_layer():
+    assert not unplaced(_source())
+
+
+def test_imports_flow_downwards():
+    assert not upward(_source())
+
+
+def test_no_import_cycle_between_units():
+    found = cycle(unit_graph(_source()))
+    assert found is None, " -> ".join(found)
+
+
+# Crossings left while the GEMM pipeline is one module (the `_gemm/` unit removes them).
+_MOVING = ("_ragged uses _pipeline.", "_serving uses _pipeline.")
+
+
+def test_no_private_name_crosses_units():
+    assert not [c for c in private_crossings(_source()) if not c.startswith(_MOVING)]
+
+
+def test_recipes_are_leaves():
+    source = _source()
+    assert {m.split(".")[1] for m in _concrete_recipes(source)} >= {"delayed", "current", "mx", "nvfp4"}
+    assert not recipe_leaks(source)
+
+
+def test_jax_src_only_where_allowed():
+    assert not jax_src_users(_source())
+
+
+def test_haliax_only_through_its_door():
+    assert not haliax_imports(_source())
+
+
+def test_how_it_works_lists_the_units_layer_by_layer():
+    text = DOCS.read_text()
+    section = text[text.index("The source follows the same order") :]
+    items = re.findall(r"^\d+\. (.*(?:\n   .*)*)", section[: section.index("\n\n", section.index("\n1. "))], re.M)
+    named = [re.findall(r"`(_[a-z0-9_]+)/?`", item) for item in items]
+    assert named == UNITS, named
+
+
+# ----------------------------------------------------------------------------- planted violations
+
+
+def _plant(module: str, line: str) -> dict[str, str]:
+    source = _source()
+    assert module in source, module
+    source[module] = line + "\n" + source[module]
+    return source
+
+
+@pytest.mark.parametrize(
+    "rule, module, line",
+    [
+        (upward, "_formats", "from ._state import ScalingState"),
+        (upward, "_recipes.delayed", "from .._settings import GemmSettings"),
+        (private_crossings, "_update", "from ._state import _private_helper"),
+        (private_crossings, "_stats", "from . import _formats\nx = _formats._hidden"),
+        (recipe_leaks, "_recipes.mx", "from .delayed import DelayedScaling"),
+        (recipe_leaks, "_update", "from ._recipes.current import CurrentScaling"),
+        (recipe_leaks, "_recipes.__init__", "from .nvfp4 import NVFP4Scaling"),
+        (jax_src_users, "_formats", "from jax._src import core"),
+        (haliax_imports, "_state", "import haliax"),
+        (haliax_imports, "_transform", "import haliax.nn as hnn"),
+        (unplaced, "_formats", ""),
+    ],
+)
+def test_each_rule_fails_on_a_planted_violation(rule, module, line):
+    if rule is unplaced:
+        source = _source()
+        source["_newunit"] = "x = 1\n"
+    else:
+        source = _plant(module, line)
+    assert rule(source), (rule.__name__, module, line)
+
+
+def test_a_planted_cycle_is_found():
+    graph = unit_graph(_source())
+    assert "_formats" in graph["_state"]
+    graph["_formats"].add("_state")
+    assert cycle(graph) is not None
+    assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert cycle({"a": {"b"}, "b": set()}) is None

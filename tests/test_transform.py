@@ -24,7 +24,7 @@ def _converted_paths(model):
             out.append(fp8ax._transform.path_str(path))
         return node
 
-    jax.tree_util.tree_map_with_path(visit, model, is_leaf=fp8ax._transform._is_linear)
+    jax.tree_util.tree_map_with_path(visit, model, is_leaf=fp8ax._transform.is_linear)
     return out
 
 

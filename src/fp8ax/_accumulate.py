@@ -8,13 +8,13 @@ import jax.tree_util as jtu
 import numpy as np
 
 from . import _haliax
-from ._state import _is_owg
+from ._state import is_owg
 
 T = TypeVar("T")
 
 
 def _is_leaf(x: Any) -> bool:
-    return x is None or _is_owg(x)
+    return x is None or is_owg(x)
 
 
 def accumulate_gradients(acc: T | None, grads: T) -> T:
@@ -77,7 +77,7 @@ def accumulate_gradients(acc: T | None, grads: T) -> T:
             if not (a is None and g is None):
                 raise ValueError("`acc` and `grads` disagree on which leaves are None.")
             return None
-        if _is_owg(a):
+        if is_owg(a):
             return jtu.tree_map(_max_merge, a, g)
         return _add(a, g)
 
@@ -154,10 +154,10 @@ def microbatched(fn: Callable[..., T], num_microbatches: int, *, average: bool =
         acc, _ = jax.lax.scan(body, init, split)
         if not average:
             return acc
-        state, rest = eqx.partition(acc, _is_owg, is_leaf=_is_owg)
+        state, rest = eqx.partition(acc, is_owg, is_leaf=is_owg)
         with jax.numpy_dtype_promotion("standard"):
             rest = jtu.tree_map(lambda a: (a / k).astype(a.dtype), rest)
-        return eqx.combine(state, rest, is_leaf=_is_owg)
+        return eqx.combine(state, rest, is_leaf=is_owg)
 
     return run
 

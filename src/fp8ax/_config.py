@@ -6,7 +6,7 @@ from typing import Any, Unpack
 import equinox as eqx
 import numpy as np
 
-from ._dot_general import _SETTINGS_FIELDS, Fp8DotGeneral
+from ._dot_general import SETTINGS_FIELDS, Fp8DotGeneral
 from ._ragged import Fp8RaggedDot
 from ._recipes import AbstractScalingRecipe
 from ._settings import GEMM_KEYWORDS, GemmKeywords, GemmSettings, Mode, settings_from
@@ -104,7 +104,7 @@ class Fp8Config(eqx.Module):
 
     def __getattr__(self, name):
         # The GEMM settings read through the config, under the names users know.
-        if name in _SETTINGS_FIELDS:
+        if name in SETTINGS_FIELDS:
             return getattr(self.settings, name)
         raise AttributeError(f"'Fp8Config' object has no attribute {name!r}")
 

@@ -6,7 +6,7 @@ import jax.tree_util as jtu
 from jax import lax
 
 from ._pipeline import vma as _vma
-from ._state import _is_owg
+from ._state import is_owg
 
 T = TypeVar("T")
 
@@ -79,8 +79,8 @@ def pmean_gradients(grads: T, axis_name: str | Sequence[str]) -> T:
     def reduce_node(node):
         if node is None:
             return None
-        if _is_owg(node):
+        if is_owg(node):
             return jtu.tree_map(lambda x: reduce(x, lax.pmax), node)
         return reduce(node, lax.pmean)
 
-    return jtu.tree_map(reduce_node, grads, is_leaf=lambda x: x is None or _is_owg(x))
+    return jtu.tree_map(reduce_node, grads, is_leaf=lambda x: x is None or is_owg(x))

@@ -16,12 +16,12 @@ from ._boundaries import check_eager_shard_map
 from ._layout import DimensionNumbers, check_dimension_numbers
 from ._maxgrad import is_max
 from ._pipeline import Call, quantized_dot, vma
-from ._recipes import CORRUPT_STATE, AbstractScalingRecipe
+from ._recipes import AbstractScalingRecipe
 from ._settings import GemmKeywords, GemmSettings, Mode, settings_from
-from ._state import AbstractState, OverwriteWithGradient
+from ._state import CORRUPT_STATE, AbstractState, OverwriteWithGradient
 
 # The names of GemmSettings' fields, read through the module and the config.
-_SETTINGS_FIELDS = tuple(f.name for f in dataclasses.fields(GemmSettings))
+SETTINGS_FIELDS = tuple(f.name for f in dataclasses.fields(GemmSettings))
 
 
 class Fp8DotGeneral(OverwriteWithGradient):
@@ -63,11 +63,11 @@ class Fp8DotGeneral(OverwriteWithGradient):
         settings = GemmSettings() if settings is None else settings
         if not isinstance(settings, GemmSettings):
             raise TypeError(f"`settings` must be an `fp8ax.GemmSettings`, got {type(settings).__name__}.")
-        unknown = sorted(set(changes) - set(_SETTINGS_FIELDS))
+        unknown = sorted(set(changes) - set(SETTINGS_FIELDS))
         if unknown:
             raise TypeError(f"`Fp8DotGeneral` got unexpected keyword arguments {unknown}.")
         if changes:
-            kwargs = {name: getattr(settings, name) for name in _SETTINGS_FIELDS}
+            kwargs = {name: getattr(settings, name) for name in SETTINGS_FIELDS}
             kwargs.update(changes)
             settings = GemmSettings(**kwargs)
         self.lhs, self.rhs, self.grad, self.settings = lhs, rhs, grad, settings
@@ -156,8 +156,8 @@ class Fp8DotGeneral(OverwriteWithGradient):
         otherwise).
         """
         st = self.settings
-        lhs = _check_operand(lhs, "lhs")
-        rhs = _check_operand(rhs, "rhs")
+        lhs = check_operand(lhs, "lhs")
+        rhs = check_operand(rhs, "rhs")
         if st.compute_dtype is not None:
             lhs = lhs.astype(st.compute_dtype)
             rhs = rhs.astype(st.compute_dtype)
@@ -352,7 +352,7 @@ def _out_dtype(lhs_shape, lhs_dtype, rhs_shape, rhs_dtype, dims, preferred) -> n
     return np.dtype(out.dtype)
 
 
-def _check_operand(x, argname: str) -> Array:
+def check_operand(x, argname: str) -> Array:
     if isinstance(x, jax.ShapeDtypeStruct):
         raise TypeError(
             f"`{argname}` must be a floating-point array, got a jax.ShapeDtypeStruct: the layer was called on an "

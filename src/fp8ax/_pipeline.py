@@ -29,11 +29,11 @@ from jaxtyping import Array
 from . import _boundaries, _haliax
 from ._accumulation import emulated_dot_general
 from ._boundaries import vma
-from ._current import content_key
 from ._layout import block_scaled_dot, bwd_layout, oriented_gemm, rescale
 from ._maxgrad import as_f32, merged_amax, raw_to_max
 from ._quantized import QuantizedArray
 from ._recipes import Operand
+from ._rounding import content_key
 from ._settings import GemmSettings
 
 ROLES = ("lhs", "rhs", "grad")

@@ -36,8 +36,7 @@ if TYPE_CHECKING:
 
 from . import _haliax
 from ._boundaries import check_eager_shard_map, vma
-from ._current import content_key
-from ._dot_general import Fp8DotGeneral, _check_operand, advise_gpu_compile
+from ._dot_general import Fp8DotGeneral, advise_gpu_compile, check_operand
 from ._maxgrad import is_max, raw_to_max
 from ._pipeline import (
     Call,
@@ -57,6 +56,7 @@ from ._pipeline import (
 )
 from ._quantized import QuantizedArray
 from ._recipes import AbstractScalingRecipe
+from ._rounding import content_key
 from ._settings import GemmKeywords, GemmSettings, Mode, settings_from
 
 # The three ragged dots, as `jax.lax.RaggedDotDimensionNumbers`.
@@ -545,8 +545,8 @@ class Fp8RaggedDot(Fp8DotGeneral):
         if group_offset is not None:
             raise NotImplementedError("`group_offset` is not supported by `Fp8RaggedDot`; pass None.")
         st = self.settings
-        lhs = _check_operand(lhs, "lhs")
-        rhs = _check_operand(rhs, "rhs")
+        lhs = check_operand(lhs, "lhs")
+        rhs = check_operand(rhs, "rhs")
         if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
             raise ValueError(
                 "`Fp8RaggedDot` takes `lhs` of shape (M, K) and `rhs` of shape (G, K, N), got "

@@ -12,12 +12,12 @@ from ._config import Fp8Config
 from ._ragged import Fp8MoELinear
 from ._transform import (
     Fp8Linear,
-    _axis_size,
-    _features,
-    _haliax_batch_shape,
-    _is_linear,
+    axis_size,
     config_problem,
     decide,
+    haliax_batch_shape,
+    is_linear,
+    layer_features,
     path_str,
 )
 
@@ -174,7 +174,7 @@ def _kind(layer: Any) -> str:
 
 def _stacked(layer: Any) -> tuple[int, ...]:
     if _haliax.is_linear(layer) or _haliax.is_moe_linear(layer) or isinstance(layer, Fp8MoELinear):
-        return _haliax_batch_shape(layer)
+        return haliax_batch_shape(layer)
     return tuple(int(d) for d in layer.weight.shape[:-2])
 
 
@@ -192,7 +192,7 @@ def _other_sizes(layer: Any) -> tuple[int | None, int | None]:
         In, Out = layer.Vocab, layer.Embed
     sizes = []
     for spec in (In, Out):
-        sizes.append(_axis_size(spec) if (isinstance(spec, tuple) or _haliax.is_axis(spec)) else None)
+        sizes.append(axis_size(spec) if (isinstance(spec, tuple) or _haliax.is_axis(spec)) else None)
     return sizes[0], sizes[1]
 
 
@@ -230,7 +230,7 @@ def conversion_report(module: Any, config: Fp8Config | None = None) -> Conversio
     other = tuple(kind for kind, _ in not_converted)
 
     def stop(x):
-        return _is_linear(x) or isinstance(x, other)
+        return is_linear(x) or isinstance(x, other)
 
     decisions = []
     rows = []
@@ -238,10 +238,10 @@ def conversion_report(module: Any, config: Fp8Config | None = None) -> Conversio
         if not stop(node):
             continue
         p = path_str(path)
-        if _is_linear(node):
+        if is_linear(node):
             d = decide(p, node, config)
             decisions.append(d)
-            fin, fout = _features(node)
+            fin, fout = layer_features(node)
             rows.append(LayerConversion(p, _kind(node), fin, fout, _stacked(node), d.action, d.reason))
         else:
             reason = next(why for kind, why in not_converted if isinstance(node, kind))

@@ -123,3 +123,33 @@ def stochastic_round(x: ArrayLike, dtype, key: PRNGKeyArray) -> Array:
     else:
         rounded = jnp.where(jnp.isfinite(xf), rounded, xf)
     return rounded.astype(dtype)
+
+
+_E2M1 = np.dtype(jnp.float4_e2m1fn)
+# The magnitudes E2M1 represents, in order.
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def stochastic_round_e2m1(y: Array, key) -> Array:
+    """`y` (float32, within [-6, 6]) rounded stochastically to E2M1: up to the next
+    representable magnitude with probability (|y| - lo) / (hi - lo), else down to lo, so
+    that the mean over keys is `y`. (E2M1 has no NaN: the block scale carries it.)"""
+    grid = jnp.asarray(E2M1_GRID, jnp.float32)
+    a = jnp.abs(y)
+    i = jnp.clip(jnp.searchsorted(grid, a, side="right") - 1, 0, len(E2M1_GRID) - 1)
+    lo = grid[i]
+    hi = grid[jnp.minimum(i + 1, len(E2M1_GRID) - 1)]
+    step = jnp.where(hi > lo, hi - lo, jnp.float32(1))
+    up = jax.random.uniform(key, y.shape, jnp.float32) < (a - lo) / step
+    r = jnp.where(up, hi, lo)
+    return jnp.copysign(r, y).astype(_E2M1)
+
+
+def content_key(seed: int, x) -> jax.Array:
+    """A PRNG key that changes with the tensor's contents: `seed` folded with a 32-bit
+    hash of `x`'s bits. Reproducible given `seed` and `x`; a different tensor (the next
+    step's gradient) gets a different key."""
+    bits = lax.bitcast_convert_type(jnp.asarray(x).astype(jnp.float32), jnp.uint32)
+    weights = (jnp.arange(bits.size, dtype=jnp.uint32) * jnp.uint32(2654435761)) | jnp.uint32(1)
+    h = jnp.sum(jnp.ravel(bits) * weights, dtype=jnp.uint32)
+    return jax.random.fold_in(jax.random.key(seed), h)

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     import haliax.nn as hnn
 
 from . import _formats, _haliax
-from ._dot_general import Fp8DotGeneral, _check_operand, make_call
+from ._dot_general import Fp8DotGeneral, check_operand, make_call
 from ._pipeline import Call, _gemm, _quantise, vma
 from ._quantized import QuantizedArray
 from ._ragged import (
@@ -44,8 +44,9 @@ from ._ragged import (
     ragged_gemm,
     ragged_out_dtype,
 )
-from ._recipes import CORRUPT_STATE, AbstractScalingRecipe, Operand
+from ._recipes import AbstractScalingRecipe, Operand
 from ._settings import GemmSettings
+from ._state import CORRUPT_STATE
 from ._transform import Fp8Linear, linear_call, path_str
 
 T = TypeVar("T")
@@ -209,7 +210,7 @@ class ServingDotGeneral(eqx.Module):
             raise TypeError(f"Layer `{self.layer}`: the weight must be {self.value_dtype}, got {w.dtype}.")
         self._check_scales()
         st = self.settings
-        x = _check_operand(x, "lhs" if role == "rhs" else "rhs")
+        x = check_operand(x, "lhs" if role == "rhs" else "rhs")
         w_dtype = self.weight_dtype
         if st.compute_dtype is not None:
             x = x.astype(st.compute_dtype)
@@ -416,7 +417,7 @@ class ServingRaggedDot(eqx.Module):
         low-precision `values` (G, K, N): what the training layer's
         [`fp8ax.Fp8RaggedDot`][] returned for the same tokens, bit for bit."""
         st = self.settings
-        x = _check_operand(x, "lhs")
+        x = check_operand(x, "lhs")
         w_dtype = self.weight_dtype
         if st.compute_dtype is not None:
             x = x.astype(st.compute_dtype)

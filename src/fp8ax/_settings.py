@@ -10,8 +10,8 @@ import numpy as np
 from jax import lax
 
 from ._accumulation import EmulatedAccumulation
-from ._current import AbstractStatelessRecipe
-from ._recipes import AbstractScalingRecipe, DelayedScaling
+from ._recipes import AbstractScalingRecipe, AbstractStatelessRecipe
+from ._recipes.delayed import DelayedScaling
 
 Mode = Literal["direct", "qdq"]
 Role = Literal["lhs", "rhs", "grad"]

@@ -231,6 +231,17 @@ def _short(x) -> str:
     return f"{dtype}{list(shape)}"
 
 
+# Raised wherever a state's values are read and found negative or non-finite.
+CORRUPT_STATE = (
+    "fp8ax: an FP8 scaling state (scale, amax history) holds negative or non-finite values: "
+    "it went through an optimiser as if it were a gradient and was added to by "
+    "`eqx.apply_updates`. The gradient of an FP8 layer's state is its new value, which "
+    "must replace the old one: split it off with "
+    "`overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)`, give the optimiser "
+    "`grads`, and apply both with `model = fp8ax.apply_updates(model, updates, overwrite)`."
+)
+
+
 @_haliax.overwrite_with_gradient_class
 class OverwriteWithGradient(eqx.Module):
     """Marker base class: the "gradient" of this module's leaves is their new value.
@@ -245,6 +256,6 @@ class OverwriteWithGradient(eqx.Module):
         _haliax.loaded()  # a module built after `import haliax` is one Haliax's helpers know
 
 
-def _is_owg(x: Any) -> bool:
+def is_owg(x: Any) -> bool:
     # fp8ax's modules, and Haliax's own FP8 and int8 ops.
     return isinstance(x, OverwriteWithGradient) or _haliax.is_overwrite_with_gradient(x)

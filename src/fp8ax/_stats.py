@@ -28,8 +28,9 @@ from ._layout import bwd_layout
 from ._maxgrad import merged_amax
 from ._quantized import QuantizedArray
 from ._ragged import Fp8RaggedDot
-from ._recipes import CORRUPT_STATE, Operand
-from ._transform import Fp8Linear, _haliax_batch_shape, path_str
+from ._recipes import Operand
+from ._state import CORRUPT_STATE
+from ._transform import Fp8Linear, haliax_batch_shape, path_str
 
 ROLES = ("lhs", "rhs", "grad")
 _COUNTS = ("saturated", "underflow", "nonzero", "total")
@@ -67,7 +68,7 @@ def _state_shape(dg: Fp8DotGeneral) -> tuple[int, ...]:
 
 def _holder_shape(layer) -> tuple[int, ...]:
     if _haliax.is_linear(layer):
-        return _haliax_batch_shape(layer)
+        return haliax_batch_shape(layer)
     return tuple(int(d) for d in layer.weight.shape[:-2])
 
 

@@ -108,7 +108,7 @@ def linear_call(layer, x, weight) -> Array:
     return y
 
 
-def _is_linear(x: Any) -> bool:
+def is_linear(x: Any) -> bool:
     return isinstance(x, eqx.nn.Linear | Fp8Linear | Fp8MoELinear) or _haliax.is_linear(x) or _haliax.is_moe_linear(x)
 
 
@@ -120,7 +120,7 @@ def _is_fp8(layer: Any) -> bool:
     return not isinstance(layer.dot_general, _haliax.haxq().DefaultDotGeneralOp)
 
 
-def _axis_size(spec) -> int:
+def axis_size(spec) -> int:
     if _haliax.is_axis(spec):
         return spec.size
     return math.prod(a.size for a in spec)
@@ -132,9 +132,9 @@ def _axis_names(spec) -> set[str]:
     return {a.name for a in spec}
 
 
-def _features(layer) -> tuple[int, int]:
+def layer_features(layer) -> tuple[int, int]:
     if _is_haliax_layer(layer):
-        return _axis_size(layer.In), _axis_size(layer.Out)
+        return axis_size(layer.In), axis_size(layer.Out)
     fin = 1 if layer.in_features == "scalar" else layer.in_features
     fout = 1 if layer.out_features == "scalar" else layer.out_features
     return fin, fout
@@ -144,7 +144,7 @@ def _is_haliax_layer(layer) -> bool:
     return isinstance(layer, Fp8MoELinear) or _haliax.is_linear(layer) or _haliax.is_moe_linear(layer)
 
 
-def _haliax_batch_shape(layer: hnn.Linear) -> tuple[int, ...]:
+def haliax_batch_shape(layer: hnn.Linear) -> tuple[int, ...]:
     # Axes of the weight that are neither In nor Out (nor a mixture of experts' Experts):
     # the Block axes added by `haliax.nn.Stacked` (or an ensemble axis): one FP8 state per
     # stacked layer.
@@ -192,7 +192,7 @@ def decide(path: str, layer: Any, config: Fp8Config) -> Decision:
         return Decision(path, "keep", reason, selected)
     if not selected:
         return Decision(path, "skip", "not selected by `targets`", False)
-    fin, fout = _features(layer)
+    fin, fout = layer_features(layer)
     if min(fin, fout) < config.min_features:
         side = "input" if fin <= fout else "output"
         return Decision(path, "skip", f"{side} size {min(fin, fout)} < `min_features` ({config.min_features})", True)
@@ -209,7 +209,7 @@ def _converted(node, config: Fp8Config):
         return Fp8MoELinear.from_moe_linear(node, lambda bs, g: config.make_ragged_dot(bs, g, names))
     own = _axis_names(node.In) | _axis_names(node.Out)
     rhs_axes = tuple(ax.name for ax in node.weight.axes if ax.name in own)
-    return dataclasses.replace(node, dot_general=config.make_dot_general(_haliax_batch_shape(node), rhs_axes))
+    return dataclasses.replace(node, dot_general=config.make_dot_general(haliax_batch_shape(node), rhs_axes))
 
 
 def fp8_linear_layers(module: T, config: Fp8Config | None = None) -> T:
@@ -256,7 +256,7 @@ def fp8_linear_layers(module: T, config: Fp8Config | None = None) -> T:
     decisions: list[Decision] = []
 
     def convert(path, node):
-        if not _is_linear(node):
+        if not is_linear(node):
             return node
         if _haliax.is_linear(node):
             _haliax.require_haliax_matmul("fp8ax.fp8_linear_layers")
@@ -264,7 +264,7 @@ def fp8_linear_layers(module: T, config: Fp8Config | None = None) -> T:
         decisions.append(d)
         return _converted(node, config) if d.action == "convert" else node
 
-    out = jtu.tree_map_with_path(convert, module, is_leaf=_is_linear)
+    out = jtu.tree_map_with_path(convert, module, is_leaf=is_linear)
     problem = config_problem(module, config, decisions)
     if problem is not None:
         raise ValueError(problem)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import optax
 
-from ._state import _is_owg
+from ._state import is_owg
 
 T = TypeVar("T")
 
@@ -49,8 +49,8 @@ def partition_for_grad_overwrite(tree: T) -> tuple[T, T]:
     `partition_for_grad_overwrite(model)[1]`, as earlier versions of these docs did, has
     the same structure.
     """
-    overwrite = jtu.tree_map(lambda x: x if _is_owg(x) else None, tree, is_leaf=_is_owg)
-    rest = jtu.tree_map(lambda x: _untrained(x) if _is_owg(x) else x, tree, is_leaf=_is_owg)
+    overwrite = jtu.tree_map(lambda x: x if is_owg(x) else None, tree, is_leaf=is_owg)
+    rest = jtu.tree_map(lambda x: _untrained(x) if is_owg(x) else x, tree, is_leaf=is_owg)
     return overwrite, rest
 
 
@@ -106,7 +106,7 @@ def apply_updates(model: T, updates: T, overwrite: T) -> T:
     """
 
     if overwrite is None:
-        fp8 = [jtu.keystr(path) for path, x in jtu.tree_leaves_with_path(model, is_leaf=_is_owg) if _is_owg(x)]
+        fp8 = [jtu.keystr(path) for path, x in jtu.tree_leaves_with_path(model, is_leaf=is_owg) if is_owg(x)]
         if fp8:
             raise ValueError(
                 f"`overwrite` is None, but the model has FP8 layers ({', '.join(fp8[:3])}"
@@ -116,10 +116,10 @@ def apply_updates(model: T, updates: T, overwrite: T) -> T:
             )
         overwrite = jtu.tree_map(lambda _: None, model)
     if updates is None:
-        updates = jtu.tree_map(lambda _: None, model, is_leaf=_is_owg)
+        updates = jtu.tree_map(lambda _: None, model, is_leaf=is_owg)
 
     def _apply(path, m, u, o):
-        if _is_owg(m):
+        if is_owg(m):
             # `u` is what the optimiser made of the state's zero gradient (zero, or weight
             # decay): the state is written by `overwrite` alone.
             if o is None:
@@ -140,7 +140,7 @@ def apply_updates(model: T, updates: T, overwrite: T) -> T:
             return (m + u).astype(m.dtype)
 
     def is_leaf(x):
-        return x is None or _is_owg(x)
+        return x is None or is_owg(x)
 
     return jtu.tree_map_with_path(_apply, model, updates, overwrite, is_leaf=is_leaf)
 
@@ -182,7 +182,7 @@ def check_state(model, *, written: bool = False) -> None:
         ```
     """
     from ._dot_general import Fp8DotGeneral
-    from ._recipes import CORRUPT_STATE
+    from ._state import CORRUPT_STATE
 
     if not isinstance(written, bool):
         raise TypeError(f"`written` must be a bool, got {written!r}.")
@@ -263,7 +263,7 @@ def skip_fp8_state(optimizer: optax.GradientTransformation) -> optax.GradientTra
         # The tree with None in place of each FP8 module (and of anything not an array).
         if tree is None:
             return None
-        return eqx.filter(jtu.tree_map(lambda x: None if _is_owg(x) else x, tree, is_leaf=_is_owg), eqx.is_array)
+        return eqx.filter(jtu.tree_map(lambda x: None if is_owg(x) else x, tree, is_leaf=is_owg), eqx.is_array)
 
     def init_fn(params):
         return optimizer.init(parameters(params))

@@ -14,43 +14,17 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array
 
-from . import _formats
-from ._blockwise import run_tiles, tiled_amax
-from ._current import AbstractStatelessRecipe, _amax_scale, _check_bool, _check_seed
-from ._quantized import QuantizedArray, ScaleLayout, expand_tiles
+from .. import _formats
+from .._hadamard import hadamard_16
+from .._quantized import QuantizedArray, ScaleLayout, expand_tiles
+from .._rounding import stochastic_round_e2m1
+from .._tiles import run_tiles, tiled_amax
+from .stateless import AbstractStatelessRecipe, _amax_scale, _check_bool, _check_seed
 
 E2M1 = np.dtype(jnp.float4_e2m1fn)
 E4M3 = np.dtype(jnp.float8_e4m3fn)
 BLOCK = 16
 E2M1_MAX, E4M3_MAX = 6.0, 448.0
-# The magnitudes E2M1 represents, in order.
-E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-
-
-def stochastic_round_e2m1(y: Array, key) -> Array:
-    """`y` (float32, within [-6, 6]) rounded stochastically to E2M1: up to the next
-    representable magnitude with probability (|y| - lo) / (hi - lo), else down to lo, so
-    that the mean over keys is `y`. (E2M1 has no NaN: the block scale carries it.)"""
-    grid = jnp.asarray(E2M1_GRID, jnp.float32)
-    a = jnp.abs(y)
-    i = jnp.clip(jnp.searchsorted(grid, a, side="right") - 1, 0, len(E2M1_GRID) - 1)
-    lo = grid[i]
-    hi = grid[jnp.minimum(i + 1, len(E2M1_GRID) - 1)]
-    step = jnp.where(hi > lo, hi - lo, jnp.float32(1))
-    up = jax.random.uniform(key, y.shape, jnp.float32) < (a - lo) / step
-    r = jnp.where(up, hi, lo)
-    return jnp.copysign(r, y).astype(E2M1)
-
-
-def hadamard_16(key) -> Array:
-    """The 16x16 random Hadamard transform `H diag(s) / 4`: Sylvester's Hadamard matrix
-    with its columns' signs flipped by the random vector `s` (from `key`), scaled to be
-    orthogonal."""
-    h = np.array([[1.0]])
-    while h.shape[0] < BLOCK:
-        h = np.block([[h, h], [h, -h]])
-    signs = jax.random.rademacher(key, (BLOCK,), jnp.float32)
-    return jnp.asarray(h, jnp.float32) * signs[None, :] / 4
 
 
 class NVFP4Scaling(AbstractStatelessRecipe):

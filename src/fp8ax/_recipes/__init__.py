@@ -1,0 +1,17 @@
+"""Scaling recipes: how one operand of a GEMM is quantised, and the state that needs.
+
+- `base`: the recipe interface the GEMM pipeline calls (`AbstractScalingRecipe`,
+  `Operand`); `stateless`: the base of recipes that keep no state, with the checks and
+  scale rules they share.
+- One module per recipe: `delayed`, `current`, `mx`, `int8`, `blockwise`, `nvfp4`. A
+  recipe imports the base and the numerics modules, never another recipe, and only the
+  package's public `__init__` and the default setting (`DelayedScaling`, in the GEMM
+  settings) import a concrete recipe: adding one touches its module, one line of the
+  public `__init__`, its test registry entry, its tests and its docs section.
+- `quantize`: the public `fp8ax.quantize`, a recipe applied outside any GEMM.
+
+The interface the rest of fp8ax uses is exported here.
+"""
+
+from .base import AbstractScalingRecipe as AbstractScalingRecipe, NewState as NewState, Operand as Operand
+from .stateless import AbstractStatelessRecipe as AbstractStatelessRecipe
