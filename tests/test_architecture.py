@@ -43,7 +43,6 @@ UNITS = [
         "_int8",
         "_tiles",
         "_hadamard",
-        "_layout",
         "_accumulation",
         "_maxgrad",
         "_boundaries",
@@ -51,7 +50,7 @@ UNITS = [
     ],
     ["_quantized", "_state"],
     ["_recipes"],
-    ["_settings", "_pipeline"],
+    ["_gemm"],
     ["_dot_general", "_ragged", "_config", "_transform"],
     [
         "_update",
@@ -69,7 +68,7 @@ UNITS = [
 # Recipe modules that are not a recipe: the interface, the stateless base and `quantize`.
 RECIPE_SUPPORT = {"__init__", "base", "stateless", "quantize"}
 # Modules that may import a concrete recipe: the public API, and the default setting.
-NAMES_A_RECIPE = {"__init__", "_settings"}
+NAMES_A_RECIPE = {"__init__", "_gemm.settings"}
 JAX_SRC = {"_boundaries", "_maxgrad"}
 # Where Haliax may be imported at run time: its door and the model layer.
 HALIAX_OK = {"_haliax", "_transform"}
@@ -281,12 +280,8 @@ def test_no_import_cycle_between_units():
     assert found is None, " -> ".join(found)
 
 
-# Crossings left while the GEMM pipeline is one module (the `_gemm/` unit removes them).
-_MOVING = ("_ragged uses _pipeline.", "_serving uses _pipeline.")
-
-
 def test_no_private_name_crosses_units():
-    assert not [c for c in private_crossings(_source()) if not c.startswith(_MOVING)]
+    assert not private_crossings(_source())
 
 
 def test_recipes_are_leaves():
@@ -325,7 +320,7 @@ def _plant(module: str, line: str) -> dict[str, str]:
     "rule, module, line",
     [
         (upward, "_formats", "from ._state import ScalingState"),
-        (upward, "_recipes.delayed", "from .._settings import GemmSettings"),
+        (upward, "_recipes.delayed", "from .._gemm import GemmSettings"),
         (private_crossings, "_update", "from ._state import _private_helper"),
         (private_crossings, "_stats", "from . import _formats\nx = _formats._hidden"),
         (recipe_leaks, "_recipes.mx", "from .delayed import DelayedScaling"),

@@ -1,4 +1,5 @@
-"""int8 quantisation and int8 dot_general against AQT's worked example and NumPy references."""
+"""int8 quantisation, and the int8 GEMM of `Fp8DotGeneral` with `Int8Scaling`, against
+AQT's worked example and NumPy references."""
 
 import functools
 import string
@@ -9,13 +10,21 @@ import numpy as np
 import pytest
 
 import fp8ax
-from fp8ax._int8 import int8_dot_general, int8_quantize
+from fp8ax._int8 import int8_quantize
 
 MATMUL = (((1,), (0,)), ((), ()))
 
 # Jitted once per shape: eager mode would compile every primitive separately.
 _quantize = jax.jit(int8_quantize, static_argnums=1)
-_dot = jax.jit(int8_dot_general, static_argnums=(4, 5))
+_INT8 = fp8ax.Fp8DotGeneral.init(fp8ax.Int8Scaling())
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _dot(x, y, dn, out_dtype):
+    """The int8 GEMM as fp8ax runs it: each operand quantised by `Int8Scaling` along the
+    axes `dn` contracts (one scale per slice, as `int8_quantize` gives), int32
+    accumulation, then the outer product of the scales."""
+    return _INT8(x, y, dn, preferred_element_type=out_dtype)
 
 
 def _gen_matrix(rows, cols, seed=0):
@@ -63,7 +72,7 @@ def test_aqt_worked_example():
     # The integer values are AQT's bit for bit (we quantise by multiplying by 127/amax).
     np.testing.assert_array_equal(np.asarray(qa), _aqt_quant_f32(a, 1))
     np.testing.assert_array_equal(np.asarray(qw), _aqt_quant_f32(w, 0))
-    out = int8_dot_general(qa, sa, qw, sw, MATMUL, jnp.float32)
+    out = _dot(a, w, MATMUL, jnp.float32)
     assert out.dtype == jnp.float32 and out.shape == (3, 5)
     # Measured: max |out - AQT| = 5.3e-7 (AQT divides by 127/amax products, we multiply
     # by amax/127 products: the last-bit differences of the scales show up only here).
@@ -109,13 +118,23 @@ def test_quantize_axes_and_zero_slices():
     np.testing.assert_array_equal(np.asarray(sb), np.asarray(sf))
 
 
+def _eqns(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs nested in its equations' parameters."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, tuple | list) else (value,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    yield from _eqns(inner)
+
+
 def test_int32_accumulation():
-    # The dot takes int8 operands and produces int32 (jaxpr and StableHLO).
-    lhs = jnp.ones((2, 8), jnp.int8)
-    rhs = jnp.ones((8, 3), jnp.int8)
-    ls, rs = jnp.ones((2, 1), jnp.float32), jnp.ones((1, 3), jnp.float32)
-    f = lambda a, b: int8_dot_general(a, ls, b, rs, MATMUL, jnp.float32)  # noqa: E731
-    dots = [e for e in jax.make_jaxpr(f)(lhs, rhs).jaxpr.eqns if e.primitive.name == "dot_general"]
+    # The GEMM takes int8 operands and produces int32 (jaxpr and StableHLO).
+    lhs = jnp.ones((2, 8), jnp.float32)
+    rhs = jnp.ones((8, 3), jnp.float32)
+    f = lambda a, b: _INT8(a, b, MATMUL, preferred_element_type=jnp.float32)  # noqa: E731
+    dots = [e for e in _eqns(jax.make_jaxpr(f)(lhs, rhs).jaxpr) if e.primitive.name == "dot_general"]
     assert len(dots) == 1
     (dot,) = dots
     assert [v.aval.dtype for v in dot.invars] == [jnp.int8, jnp.int8]
@@ -123,17 +142,21 @@ def test_int32_accumulation():
     hlo = jax.jit(f).lower(lhs, rhs).as_text()
     assert "tensor<2x8xi8>, tensor<8x3xi8>) -> tensor<2x3xi32>" in hlo
 
-    # Numerically: sums up to ~1e9 (beyond float32's 2**24 integer range) are exact in
-    # int32, and rounded once by the conversion to float32.
+    # Numerically: integer sums up to ~1e9 (beyond float32's 2**24 integer range) are
+    # exact in int32, then rounded by the float32 conversion and the two scale products
+    # (3 roundings: rtol 2e-7). A float32 accumulation of 65536 terms would be off by
+    # far more.
     rng = np.random.default_rng(0)
     k = 65536  # 127**2 * k < 2**31
-    a = rng.integers(0, 128, size=(4, k), dtype=np.int8)
-    b = rng.integers(0, 128, size=(k, 3), dtype=np.int8)
-    ones = np.ones((4, 1), np.float32), np.ones((1, 3), np.float32)
-    out = _dot(a, ones[0], b, ones[1], MATMUL, jnp.float32)
-    exact = a.astype(np.int64) @ b.astype(np.int64)
+    a = rng.integers(0, 128, size=(4, k)).astype(np.float32)
+    b = rng.integers(0, 128, size=(k, 3)).astype(np.float32)
+    out = _dot(a, b, MATMUL, jnp.float32)
+    lq, ls = int8_quantize(a, (1,))
+    rq, rs = int8_quantize(b, (0,))
+    exact = np.asarray(lq, np.int64) @ np.asarray(rq, np.int64)
     assert exact.max() > 2**24
-    np.testing.assert_array_equal(np.asarray(out), exact.astype(np.float32))
+    want = exact * np.asarray(ls, np.float64) * np.asarray(rs, np.float64)
+    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2e-7, atol=0)
 
 
 def _einsum_reference(lq, ls, rq, rs, dn) -> np.ndarray:
@@ -173,7 +196,7 @@ def test_dot_general_against_numpy(lshape, rshape, dn):
     (lc, rc), _ = dn
     lq, ls = _quantize(x, lc)
     rq, rs = _quantize(y, rc)
-    out, out_bf16 = _dot_f32_and_bf16(lq, ls, rq, rs, dn)
+    out, out_bf16 = _dot(x, y, dn, jnp.float32), _dot(x, y, dn, jnp.bfloat16)
     dn_pos = _normalise(dn, x.ndim, y.ndim)
     want_shape = jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, dn_pos), x, y).shape
     assert out.shape == want_shape and out.dtype == jnp.float32
@@ -182,37 +205,15 @@ def test_dot_general_against_numpy(lshape, rshape, dn):
     # relative size <= 2**-24 each, so rtol 2e-7 (bound 1.8e-7) and no atol needed
     # (the integer sum is exact).
     np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2e-7, atol=0)
-    # bf16 output is the float32 result cast.
+    # A bf16 output is the same GEMM, its result cast (one rounding more: rtol 2**-8).
     assert out_bf16.dtype == jnp.bfloat16
-    np.testing.assert_array_equal(np.asarray(out_bf16), np.asarray(out.astype(jnp.bfloat16)))
-
-
-@functools.partial(jax.jit, static_argnums=4)
-def _dot_f32_and_bf16(lq, ls, rq, rs, dn):
-    return (
-        int8_dot_general(lq, ls, rq, rs, dn, jnp.float32),
-        int8_dot_general(lq, ls, rq, rs, dn, jnp.bfloat16),
-    )
+    np.testing.assert_allclose(np.asarray(out_bf16, np.float64), want, rtol=2**-8, atol=0)
 
 
 def _normalise(dn, lnd, rnd):
     (lc, rc), (lb, rb) = dn
     f = lambda axes, n: tuple(a % n for a in axes)  # noqa: E731
     return ((f(lc, lnd), f(rc, rnd)), (f(lb, lnd), f(rb, rnd)))
-
-
-def test_broadcast_scales():
-    # A per-tensor scale (size 1 everywhere, e.g. from quantising over all axes) works.
-    rng = np.random.default_rng(2)
-    x = rng.normal(size=(2, 5, 6)).astype(np.float32)
-    y = rng.normal(size=(2, 6, 3)).astype(np.float32)
-    dn = (((2,), (1,)), ((0,), (0,)))
-    lq, ls = _quantize(x, (0, 1, 2))
-    rq, rs = _quantize(y, (1,))
-    assert ls.shape == (1, 1, 1)
-    out = _dot(lq, ls, rq, rs, dn, jnp.float32)
-    want = _einsum_reference(*map(np.asarray, (lq, ls, rq, rs)), dn)
-    np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=2e-7, atol=0)
 
 
 def test_sqnr_against_float():
@@ -225,9 +226,7 @@ def test_sqnr_against_float():
     rng = np.random.default_rng(3)
     x = rng.normal(size=(256, 1024)).astype(np.float32)
     w = rng.normal(size=(1024, 128)).astype(np.float32)
-    lq, ls = _quantize(x, (1,))
-    rq, rs = _quantize(w, (0,))
-    out = np.asarray(_dot(lq, ls, rq, rs, MATMUL, jnp.float32), np.float64)
+    out = np.asarray(_dot(x, w, MATMUL, jnp.float32), np.float64)
     ref = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
     from helpers import sqnr
 
@@ -244,16 +243,6 @@ def test_rejects_bad_arguments():
         int8_quantize(x, ("a",))
     with pytest.raises(TypeError, match="`x`"):
         int8_quantize(jnp.ones((3, 4), jnp.int32), (1,))
-    q, s = int8_quantize(x, (1,))
-    rq, rs = int8_quantize(jnp.ones((4, 2), jnp.float32), (0,))
-    with pytest.raises(TypeError, match="`lhs_q` must be an int8 array"):
-        int8_dot_general(x, s, rq, rs, MATMUL, jnp.float32)
-    with pytest.raises(ValueError, match="`lhs_scale`"):
-        int8_dot_general(q, jnp.ones((3, 4)), rq, rs, MATMUL, jnp.float32)  # not 1 on contracting
-    with pytest.raises(ValueError, match="`rhs_scale`"):
-        int8_dot_general(q, s, rq, jnp.ones((2,)), MATMUL, jnp.float32)  # wrong rank
-    with pytest.raises(TypeError, match="`dimension_numbers`"):
-        int8_dot_general(q, s, rq, rs, ((1,), (0,)), jnp.float32)
 
 
 def test_a_non_finite_slice_comes_out_as_nan():

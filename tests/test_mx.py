@@ -432,11 +432,12 @@ def test_gradient_of_a_full_contraction():
     recipe = fp8ax.MXScaling()
     dg = fp8ax.Fp8DotGeneral.init(recipe)
     dims = (((0,), (0,)), ((), ()))
-    gx, gw = jax.grad(lambda x, w: dg(x, w, dims), argnums=(0, 1))(x, w)
+    # Jitted: eagerly, every op of the pipeline is dispatched on its own (40 s).
+    gx, gw = jax.jit(jax.grad(lambda x, w: dg(x, w, dims), argnums=(0, 1)))(x, w)
     np.testing.assert_array_equal(np.asarray(gx), np.asarray(fp8ax.quantize(w, recipe, axis=0).dequantize()))
     np.testing.assert_array_equal(np.asarray(gw), np.asarray(fp8ax.quantize(x, recipe, axis=0).dequantize()))
     # A gradient that is not a power of two is quantised too: 0.3 in E5M2 is 0.3125.
-    gx = jax.grad(lambda x: 0.3 * dg(x, w, dims))(x)
+    gx = jax.jit(jax.grad(lambda x: 0.3 * dg(x, w, dims)))(x)
     np.testing.assert_array_equal(
         np.asarray(gx), np.float32(0.3125) * np.asarray(fp8ax.quantize(w, recipe, axis=0).dequantize())
     )
@@ -480,8 +481,13 @@ def test_block_scaled_gemm_layout(lhs_shape, rhs_shape, dims, getkey, monkeypatc
     results = {}
     for flag in (True, False):
         dg = fp8ax.Fp8DotGeneral.init(fp8ax.MXScaling(), block_scaled_gemm=flag)
-        out, vjp = jax.vjp(lambda x, w: dg(x, w, dims), x, w)
-        results[flag] = (out, *vjp(g))
+
+        @jax.jit  # one compile instead of every op dispatched on its own (80 s eagerly)
+        def forward_and_back(x, w, g):
+            out, vjp = jax.vjp(lambda x, w: dg(x, w, dims), x, w)  # noqa: B023 (called right away)
+            return (out, *vjp(g))
+
+        results[flag] = forward_and_back(x, w, g)
     assert len(calls) == 3  # forward, input gradient, weight gradient
     for got, want in zip(results[True], results[False]):
         scale = float(jnp.max(jnp.abs(want)))
@@ -492,7 +498,7 @@ def test_block_scaled_gemm_needs_whole_mxfp8_blocks(getkey, monkeypatch):
     """A contraction that is not a multiple of 32 long, FP4 elements, and the default on
     a machine without a Blackwell GPU keep the dequantised GEMM; a bad flag is an error
     naming it."""
-    from fp8ax._pipeline import _blackwell_default_device
+    from fp8ax._gemm.kernels import _blackwell_default_device
 
     calls = []
     monkeypatch.setattr(jax.nn, "scaled_matmul", lambda *a, **k: calls.append(1) or _documented_scaled_matmul(*a, **k))

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import fp8ax
+from fp8ax._gemm.dense import _rotate
 from fp8ax._hadamard import hadamard_16
-from fp8ax._pipeline import _rotate
 from fp8ax._rounding import E2M1_GRID, stochastic_round_e2m1
 
 E2M1, E4M3 = ml_dtypes.float4_e2m1fn, ml_dtypes.float8_e4m3fn

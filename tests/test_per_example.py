@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import fp8ax
-from fp8ax import _pipeline
+from fp8ax._gemm import dense as _dense
 
 B, IN, OUT = 64, 32, 16
 
@@ -114,7 +114,7 @@ def test_nested_per_example_calls_fold_twice(getkey):
 def test_per_example_scales_warn_once(getkey, monkeypatch):
     # Current scaling quantises each example with its own scale, so the examples cannot
     # share one GEMM: fp8ax says so once, and computes per example as before.
-    monkeypatch.setattr(_pipeline, "_WARNED", set())
+    monkeypatch.setattr(_dense, "_WARNED", set())
     lin = _linear(getkey, fp8ax.CurrentScaling())
     x = jax.random.normal(getkey(), (8, IN))
     with pytest.warns(UserWarning, match=r"per example under `jax.vmap`.*DelayedScaling") as record:

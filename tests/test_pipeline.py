@@ -49,7 +49,7 @@ def test_first_call_calibration_is_one_program_whose_casts_wait(getkey):
 
 def test_current_scaling_casts_depend_on_their_amax(getkey, monkeypatch):
     model = _model(getkey, fp8ax.CurrentScaling())
-    monkeypatch.setattr(fp8ax._pipeline, "_WARNED", set())
+    monkeypatch.setattr(fp8ax._gemm.dense, "_WARNED", set())
     with pytest.warns(UserWarning, match="per example"):  # the step calls the MLP per example
         walk = _walk_step(model, jax.random.normal(getkey(), (32, 8)))
     assert walk.converts and all(walk.converts)
@@ -192,12 +192,12 @@ def test_gemm_output_scales_are_planned_with_the_operand_scales(getkey, monkeypa
     # After the first step, each of a bf16 layer's three FP8 GEMMs gets its output scale
     # (the product of its operands' scales) from the plan, computed beside the scales;
     # and the step is bit for bit the one that multiplies the scales at the GEMM.
-    from fp8ax import _pipeline
+    from fp8ax._gemm import dense
 
     model = fp8ax.cast_floating(_model(getkey, fp8ax.DelayedScaling(calibrate_first_call=False)), jnp.bfloat16)
     x = jax.random.normal(getkey(), (32, 8)).astype(jnp.bfloat16)
     model = eqx.filter_jit(train_step)(model, x)
-    gemm = _pipeline._gemm
+    gemm = dense.run_gemm
     given = []
 
     def recording(call, qa, a, qb, b, dims, precision, out_dtype, scale=None):
@@ -210,10 +210,10 @@ def test_gemm_output_scales_are_planned_with_the_operand_scales(getkey, monkeypa
         return gemm(call, qa, a, qb, b, dims, precision, out_dtype, scale)
 
     def fresh():  # trace everything again (newer JAX caches what `custom_vmap` traced)
-        _pipeline._batchable_drhs.cache_clear()
+        dense._batchable_drhs.cache_clear()
         jax.clear_caches()
 
-    monkeypatch.setattr(_pipeline, "_gemm", recording)
+    monkeypatch.setattr(dense, "run_gemm", recording)
     fresh()
     planned = eqx.filter_jit(lambda m, x: train_step(m, x))(model, x)  # a new function: traced again
     # Each of the three GEMMs of every layer (JAX may trace some twice: `custom_vmap`

@@ -135,7 +135,7 @@ def test_under_transforms(name, getkey, monkeypatch):
         np.testing.assert_array_equal(np.asarray(yv[2]), np.asarray(call(-x)))
     # Per example: scales from the state are shared, and the weight gradient is one GEMM;
     # per-example scales make it one GEMM per example, and fp8ax says so.
-    monkeypatch.setattr(fp8ax._pipeline, "_WARNED", set())
+    monkeypatch.setattr(fp8ax._gemm.dense, "_WARNED", set())
 
     def per_example(w):
         return jnp.sum(jax.vmap(lambda xi: dg(xi, w, DIMS))(xs) ** 2)

@@ -14,7 +14,7 @@ from ._update import (
 # isort: split
 # configuration
 from ._config import Fp8Config as Fp8Config
-from ._settings import GemmSettings as GemmSettings
+from ._gemm import GemmSettings as GemmSettings
 
 # isort: split
 # recipes

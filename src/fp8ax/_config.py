@@ -7,9 +7,9 @@ import equinox as eqx
 import numpy as np
 
 from ._dot_general import SETTINGS_FIELDS, Fp8DotGeneral
+from ._gemm import GEMM_KEYWORDS, GemmKeywords, GemmSettings, Mode, settings_from
 from ._ragged import Fp8RaggedDot
 from ._recipes import AbstractScalingRecipe
-from ._settings import GEMM_KEYWORDS, GemmKeywords, GemmSettings, Mode, settings_from
 
 Targets = None | str | Sequence[str] | Callable[[str, Any], bool]
 

@@ -5,7 +5,7 @@ import equinox as eqx
 import jax.tree_util as jtu
 from jax import lax
 
-from ._pipeline import vma as _vma
+from ._boundaries import vma as _vma
 from ._state import is_owg
 
 T = TypeVar("T")

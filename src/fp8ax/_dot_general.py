@@ -12,12 +12,19 @@ from jax import lax
 from jaxtyping import Array, ArrayLike
 
 from . import _formats
-from ._boundaries import check_eager_shard_map
-from ._layout import DimensionNumbers, check_dimension_numbers
+from ._boundaries import check_eager_shard_map, vma
+from ._gemm import (
+    Call,
+    DimensionNumbers,
+    GemmKeywords,
+    GemmSettings,
+    Mode,
+    check_dimension_numbers,
+    quantized_dot,
+    settings_from,
+)
 from ._maxgrad import is_max
-from ._pipeline import Call, quantized_dot, vma
 from ._recipes import AbstractScalingRecipe
-from ._settings import GemmKeywords, GemmSettings, Mode, settings_from
 from ._state import CORRUPT_STATE, AbstractState, OverwriteWithGradient
 
 # The names of GemmSettings' fields, read through the module and the config.

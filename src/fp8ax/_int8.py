@@ -1,18 +1,34 @@
-"""AQT-style symmetric int8 quantisation and int8 x int8 -> int32 dot_general."""
+"""AQT-style symmetric int8 quantisation (the GEMM is `_gemm.kernels`'s, with int32 accumulation)."""
+
+import operator
 
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jaxtyping import Array, ArrayLike
 
 from . import _formats
-from ._layout import DimensionNumbers, normalise_axes as _normalise_axes, rescale
 
 INT8_MAX = 127
 
 # Slices whose amax is below this are treated as all-zero: 127 / amax would overflow
 # float32 (and amax / 127 would be subnormal, which XLA may flush to zero).
 _TINY_AMAX = INT8_MAX * float(np.finfo(np.float32).tiny)
+
+
+def _normalise_axes(axes, ndim: int, argname: str) -> tuple[int, ...]:
+    """`axes` as non-negative ints, checked against `ndim` (errors name `argname`)."""
+    try:
+        axes = tuple(operator.index(a) for a in axes)
+    except TypeError:
+        raise TypeError(f"`{argname}` must be a tuple of ints, got {axes!r}.") from None
+    out = []
+    for a in axes:
+        if not -ndim <= a < ndim:
+            raise ValueError(f"`{argname}` has axis {a}, out of range for an array of rank {ndim}.")
+        out.append(a % ndim)
+    if len(set(out)) != len(out):
+        raise ValueError(f"`{argname}` has repeated axes: {axes!r}.")
+    return tuple(out)
 
 
 def int8_quantize(x: ArrayLike, contracting_axes: tuple[int, ...]) -> tuple[Array, Array]:
@@ -56,53 +72,3 @@ def int8_quantize(x: ArrayLike, contracting_axes: tuple[int, ...]) -> tuple[Arra
     scale = jnp.where(nonzero, _formats.scale_from_amax(amax, np.float32(1 / INT8_MAX)), jnp.float32(1))
     values = jnp.clip(jnp.round(xf * inv_scale), -INT8_MAX, INT8_MAX).astype(jnp.int8)
     return values, scale
-
-
-def int8_dot_general(
-    lhs_q: ArrayLike,
-    lhs_scale: ArrayLike,
-    rhs_q: ArrayLike,
-    rhs_scale: ArrayLike,
-    dimension_numbers: DimensionNumbers,
-    out_dtype,
-) -> Array:
-    """`lax.dot_general` of int8-quantised operands, accumulated in int32, then rescaled.
-
-    **Arguments:**
-
-    - `lhs_q`, `rhs_q`: int8 operands (from [`int8_quantize`][]).
-    - `lhs_scale`, `rhs_scale`: their float32 dequantisation scales, with the operands'
-        rank and size 1 along the contracting dimensions (size 1 or full elsewhere), as
-        returned by `int8_quantize` with those contracting axes.
-    - `dimension_numbers`: as for `lax.dot_general`:
-        `((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`.
-    - `out_dtype`: the dtype of the result.
-
-    **Returns:**
-
-    `float32(dot_general(lhs_q, rhs_q, preferred_element_type=int32)) * lhs_s * rhs_s`,
-    cast to `out_dtype`, where `lhs_s * rhs_s` is the outer product of the two scales
-    laid out as dot_general's output: batch dims, then lhs free dims, then rhs free
-    dims. The integer accumulation is exact (for contractions shorter than
-    `2**31 / 127**2 ~ 133,000` elements); the result is rounded once when converted to
-    float32 and twice more by the two scale multiplications.
-    """
-    lhs_q = jnp.asarray(lhs_q)
-    rhs_q = jnp.asarray(rhs_q)
-    for name, q in (("lhs_q", lhs_q), ("rhs_q", rhs_q)):
-        if q.dtype != jnp.int8:
-            raise TypeError(f"`{name}` must be an int8 array, got dtype {q.dtype}.")
-    try:
-        (lc, rc), (lb, rb) = dimension_numbers
-    except (TypeError, ValueError):
-        raise TypeError(
-            "`dimension_numbers` must be ((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch)), "
-            f"got {dimension_numbers!r}."
-        ) from None
-    lc = _normalise_axes(lc, lhs_q.ndim, "dimension_numbers")
-    rc = _normalise_axes(rc, rhs_q.ndim, "dimension_numbers")
-    lb = _normalise_axes(lb, lhs_q.ndim, "dimension_numbers")
-    rb = _normalise_axes(rb, rhs_q.ndim, "dimension_numbers")
-    dims = ((lc, rc), (lb, rb))
-    acc = lax.dot_general(lhs_q, rhs_q, dims, preferred_element_type=jnp.int32)
-    return rescale(acc, lhs_scale, lhs_q.shape, rhs_scale, rhs_q.shape, dims).astype(out_dtype)

@@ -4,7 +4,7 @@
 # the training forward would quantise it, and keeps only the low-precision values and
 # their scale. At a call, the activation is quantised as in training (delayed scaling:
 # with the scale the frozen state gives; other recipes: from the activation itself) and
-# the GEMM is the training pipeline's own (`_pipeline._gemm`), so the output is the
+# the GEMM is the training pipeline's own (`_gemm.run_gemm`), so the output is the
 # training forward's, bit for bit.
 #
 # Storage. `eqx.tree_serialise_leaves` cannot save 8-bit float dtypes (numpy writes them
@@ -31,21 +31,23 @@ if TYPE_CHECKING:
     import haliax.nn as hnn
 
 from . import _formats, _haliax
+from ._boundaries import vma
 from ._dot_general import Fp8DotGeneral, check_operand, make_call
-from ._pipeline import Call, _gemm, _quantise, vma
-from ._quantized import QuantizedArray
-from ._ragged import (
-    Fp8MoELinear,
+from ._gemm import (
+    Call,
+    GemmSettings,
     RaggedCall,
     group_ids,
-    moe_call,
+    quantise,
     quantise_tokens,
     quantise_weights,
     ragged_gemm,
     ragged_out_dtype,
+    run_gemm,
 )
+from ._quantized import QuantizedArray
+from ._ragged import Fp8MoELinear, moe_call
 from ._recipes import AbstractScalingRecipe, Operand
-from ._settings import GemmSettings
 from ._state import CORRUPT_STATE
 from ._transform import Fp8Linear, linear_call, path_str
 
@@ -126,13 +128,13 @@ def _serve(s: _Serve, x, w_values, w_scale, x_scale, w_outer):
         dtype = st.operand_recipe(x_role).fwd_dtype
         qx = QuantizedArray(_formats.quantize(x, x_scale, dtype), x_scale)
     else:
-        qx, _ = _quantise(call, x_role, x, x_axes)
+        qx, _ = quantise(call, x_role, x, x_axes)
     if np.dtype(w_scale.dtype) == np.dtype(np.uint8):
         w_scale = lax.bitcast_convert_type(w_scale, s.scale_format)
     qw = QuantizedArray(w_values, w_scale, s.tile, s.int_exponent, outer_scale=w_outer)
     if s.role == "rhs":
-        return _gemm(call, qx, x, qw, None, call.dims, call.fwd_precision, call.out_dtype)
-    return _gemm(call, qw, None, qx, x, call.dims, call.fwd_precision, call.out_dtype)
+        return run_gemm(call, qx, x, qw, None, call.dims, call.fwd_precision, call.out_dtype)
+    return run_gemm(call, qw, None, qx, x, call.dims, call.fwd_precision, call.out_dtype)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))

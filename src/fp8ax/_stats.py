@@ -24,7 +24,7 @@ from jaxtyping import Array
 
 from . import _formats, _haliax
 from ._dot_general import Fp8DotGeneral
-from ._layout import bwd_layout
+from ._gemm import bwd_layout
 from ._maxgrad import merged_amax
 from ._quantized import QuantizedArray
 from ._ragged import Fp8RaggedDot

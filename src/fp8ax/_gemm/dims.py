@@ -2,7 +2,6 @@
 # a low-precision GEMM's result by its operands' scales. Numerics layer: imports nothing
 # from fp8ax.
 
-import operator
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -13,22 +12,6 @@ from jax import lax
 from jaxtyping import Array
 
 DimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
-
-
-def normalise_axes(axes, ndim: int, argname: str) -> tuple[int, ...]:
-    """`axes` as non-negative ints, checked against `ndim` (errors name `argname`)."""
-    try:
-        axes = tuple(operator.index(a) for a in axes)
-    except TypeError:
-        raise TypeError(f"`{argname}` must be a tuple of ints, got {axes!r}.") from None
-    out = []
-    for a in axes:
-        if not -ndim <= a < ndim:
-            raise ValueError(f"`{argname}` has axis {a}, out of range for an array of rank {ndim}.")
-        out.append(a % ndim)
-    if len(set(out)) != len(out):
-        raise ValueError(f"`{argname}` has repeated axes: {axes!r}.")
-    return tuple(out)
 
 
 def check_dimension_numbers(dimension_numbers, lhs_shape, rhs_shape):

@@ -1,0 +1,38 @@
+"""The GEMMs on quantised operands, and their custom VJPs.
+
+- `settings`: `GemmSettings` (mode, precisions, per-operand recipes, high-precision
+  GEMMs) and the keyword arguments the ops take;
+- `dims`: dimension numbers, the backward GEMMs' layout, scales put back on a result;
+- `operands`: quantising a call's operands with their recipes, plans and state;
+- `kernels`: the GEMM itself (FP8/int8, block-scaled, per-chunk, emulated), shared by
+  the dense, grouped and serving paths;
+- `dense`: the custom VJP of a `dot_general` (`quantized_dot`);
+- `grouped`: the custom VJP of a ragged dot (mixture-of-experts).
+
+What the ops, serving and the reports use is exported here.
+"""
+
+from .dense import quantized_dot as quantized_dot
+from .dims import (
+    DimensionNumbers as DimensionNumbers,
+    bwd_layout as bwd_layout,
+    check_dimension_numbers as check_dimension_numbers,
+)
+from .grouped import (
+    RaggedCall as RaggedCall,
+    group_ids as group_ids,
+    quantise_tokens as quantise_tokens,
+    quantise_weights as quantise_weights,
+    ragged_gemm as ragged_gemm,
+    ragged_out_dtype as ragged_out_dtype,
+    ragged_quantized_dot as ragged_quantized_dot,
+)
+from .kernels import run_gemm as run_gemm
+from .operands import Call as Call, quantise as quantise
+from .settings import (
+    GEMM_KEYWORDS as GEMM_KEYWORDS,
+    GemmKeywords as GemmKeywords,
+    GemmSettings as GemmSettings,
+    Mode as Mode,
+    settings_from as settings_from,
+)
