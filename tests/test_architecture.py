@@ -51,7 +51,7 @@ UNITS = [
     ["_quantized", "_state"],
     ["_recipes"],
     ["_gemm"],
-    ["_dot_general", "_ragged", "_config", "_transform"],
+    ["_model"],
     [
         "_update",
         "_accumulate",
@@ -71,7 +71,7 @@ RECIPE_SUPPORT = {"__init__", "base", "stateless", "quantize"}
 NAMES_A_RECIPE = {"__init__", "_gemm.settings"}
 JAX_SRC = {"_boundaries", "_maxgrad"}
 # Where Haliax may be imported at run time: its door and the model layer.
-HALIAX_OK = {"_haliax", "_transform"}
+HALIAX_OK = {"_haliax", "_model"}
 
 
 # ----------------------------------------------------------------------------- reading
@@ -328,7 +328,7 @@ def _plant(module: str, line: str) -> dict[str, str]:
         (recipe_leaks, "_recipes.__init__", "from .nvfp4 import NVFP4Scaling"),
         (jax_src_users, "_formats", "from jax._src import core"),
         (haliax_imports, "_state", "import haliax"),
-        (haliax_imports, "_transform", "import haliax.nn as hnn"),
+        (haliax_imports, "_model.moe", "import haliax.nn as hnn"),
         (unplaced, "_formats", ""),
     ],
 )

@@ -383,3 +383,31 @@ def test_a_checkpoint_from_before_the_one_program_design_loads(getkey):
     plain.seek(0)
     with pytest.raises(ValueError, match="The checkpoint does not fit `like`"):
         fp8ax.tree_deserialise_leaves(plain, template)
+
+
+def test_the_checks_know_mixture_of_experts_layers(getkey, tmp_path):
+    # The checkpoint checks find layers from the one list of layer kinds, which holds the
+    # MoE layers too: a mismatch there is named at the layer, with the kinds and the fix,
+    # in both checkers (records of `eqx.tree_serialise_leaves`, and metadata by path).
+    Experts, Embed, Mlp = hax.Axis("Experts", 4), hax.Axis("Embed", 16), hax.Axis("Mlp", 32)
+    plain = {"experts": hax.nn.MoELinear.init(Experts, Embed, Mlp, key=getkey())}
+    training = fp8ax.fp8_linear_layers(plain)
+    assert isinstance(training["experts"], fp8ax.Fp8MoELinear)
+    serving = fp8ax.serving_template(training)
+
+    def error(saved_tree, like):
+        with pytest.raises(ValueError) as e:
+            fp8ax.check_checkpoint_metadata(_described(saved_tree), eqx.filter(like, eqx.is_array))
+        return str(e.value)
+
+    msg = error(plain, training)
+    assert "at layer `experts`: `like` has an FP8 training layer" in msg and "holds a plain layer" in msg, msg
+    msg = error(training, serving)
+    assert "at layer `experts`: `like` has a serving layer" in msg, msg
+    assert "The checkpoint holds an FP8 training layer" in msg, msg
+
+    path = tmp_path / "plain.eqx"
+    eqx.tree_serialise_leaves(path, plain)
+    with pytest.raises(ValueError, match="at layer `experts`") as e:
+        fp8ax.tree_deserialise_leaves(path, training)
+    assert "holds a plain layer" in str(e.value), str(e.value)

@@ -401,7 +401,7 @@ def test_a_gpu_run_is_told_once_what_its_first_compile_costs(xla_flags, cache, w
     # On a GPU (faked here: the advice only reads the platform name, XLA_FLAGS and JAX's
     # cache setting), the first FP8 layer traced in a process warns when XLA would
     # autotune its GEMMs with Triton and no persistent cache keeps the result.
-    from fp8ax import _dot_general
+    from fp8ax._model import advice as _dot_general
 
     monkeypatch.setattr(_dot_general, "_platform", lambda: "gpu")
     monkeypatch.setattr(_dot_general, "_ADVISED", [])
@@ -420,7 +420,7 @@ def test_a_gpu_run_is_told_once_what_its_first_compile_costs(xla_flags, cache, w
 
 
 def test_no_gpu_advice_on_the_cpu(monkeypatch, getkey):
-    from fp8ax import _dot_general
+    from fp8ax._model import advice as _dot_general
 
     monkeypatch.setattr(_dot_general, "_ADVISED", [])
     monkeypatch.setenv("XLA_FLAGS", "")

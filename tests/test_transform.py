@@ -19,12 +19,12 @@ def _converted_paths(model):
 
     def visit(path, node):
         if isinstance(node, hax.nn.Linear) and isinstance(node.dot_general, fp8ax.Fp8DotGeneral):
-            out.append(fp8ax._transform.path_str(path))
+            out.append(fp8ax._model.path_str(path))
         if isinstance(node, fp8ax.Fp8Linear):
-            out.append(fp8ax._transform.path_str(path))
+            out.append(fp8ax._model.path_str(path))
         return node
 
-    jax.tree_util.tree_map_with_path(visit, model, is_leaf=fp8ax._transform.is_linear)
+    jax.tree_util.tree_map_with_path(visit, model, is_leaf=fp8ax._model.is_linear)
     return out
 
 

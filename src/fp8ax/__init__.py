@@ -3,7 +3,7 @@
 from importlib.metadata import version as _version
 
 # top level UX
-from ._transform import Fp8Linear as Fp8Linear, fp8_linear_layers as fp8_linear_layers, strip_fp8 as strip_fp8
+from ._model import fp8_linear_layers as fp8_linear_layers, strip_fp8 as strip_fp8
 from ._update import (
     apply_updates as apply_updates,
     check_state as check_state,
@@ -13,8 +13,8 @@ from ._update import (
 
 # isort: split
 # configuration
-from ._config import Fp8Config as Fp8Config
 from ._gemm import GemmSettings as GemmSettings
+from ._model import Fp8Config as Fp8Config
 
 # isort: split
 # recipes
@@ -34,9 +34,13 @@ from ._recipes.quantize import quantize as quantize
 # isort: split
 # modules and state
 from ._accumulation import EmulatedAccumulation as EmulatedAccumulation
-from ._dot_general import Fp8DotGeneral as Fp8DotGeneral
+from ._model import (
+    Fp8DotGeneral as Fp8DotGeneral,
+    Fp8Linear as Fp8Linear,
+    Fp8MoELinear as Fp8MoELinear,
+    Fp8RaggedDot as Fp8RaggedDot,
+)
 from ._quantized import QuantizedArray as QuantizedArray
-from ._ragged import Fp8MoELinear as Fp8MoELinear, Fp8RaggedDot as Fp8RaggedDot
 from ._state import (
     AbstractState as AbstractState,
     OverwriteWithGradient as OverwriteWithGradient,

@@ -4,7 +4,7 @@ from typing import Any, TypeVar
 import equinox as eqx
 import jax.tree_util as jtu
 
-from ._dot_general import Fp8DotGeneral
+from ._model import Fp8DotGeneral
 from ._update import apply_updates, check_state, partition_for_grad_overwrite
 
 T = TypeVar("T")

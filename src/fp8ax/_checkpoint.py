@@ -17,16 +17,15 @@ import jax.tree_util as jtu
 import numpy as np
 
 from . import _haliax
-from ._dot_general import Fp8DotGeneral
-from ._serving import ServingHaliaxLinear, ServingLinear
+from ._model import Fp8DotGeneral, fp8_op, is_linear, path_str
+from ._serving import is_serving_layer
 from ._state import ScalingState
-from ._transform import Fp8Linear, path_str
 
 T = TypeVar("T")
 
 
 def _is_layer(x) -> bool:
-    return isinstance(x, eqx.nn.Linear | Fp8Linear | ServingLinear | ServingHaliaxLinear) or _haliax.is_linear(x)
+    return is_linear(x) or is_serving_layer(x)
 
 
 def _records(f: BinaryIO) -> list[tuple[tuple[int, ...], str]]:
@@ -76,18 +75,18 @@ def _show(sig) -> str:
 
 
 def _kind_of_layer(layer) -> str:
-    if isinstance(layer, ServingLinear | ServingHaliaxLinear):
+    if is_serving_layer(layer):
         return "serving"
-    if isinstance(layer, Fp8Linear) or (_haliax.is_linear(layer) and isinstance(layer.dot_general, Fp8DotGeneral)):
-        dg = layer.dot_general
-        return "fp8" if dg.lhs is not None else "fp8-stateless"
+    op = fp8_op(layer)
+    if op is not None:
+        return "fp8" if op.lhs is not None else "fp8-stateless"
     return "plain"
 
 
 def _state_ndims(layer) -> tuple:
     """`(entry_ndims,)` of the template layer's state type, or `()` if it has none."""
     if _kind_of_layer(layer) == "fp8":
-        return (type(layer.dot_general.lhs).entry_ndims,)
+        return (type(fp8_op(layer).lhs).entry_ndims,)
     return ()
 
 

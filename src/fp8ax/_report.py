@@ -8,10 +8,10 @@ import equinox as eqx
 import jax.tree_util as jtu
 
 from . import _haliax
-from ._config import Fp8Config
-from ._ragged import Fp8MoELinear
-from ._transform import (
+from ._model import (
+    Fp8Config,
     Fp8Linear,
+    Fp8MoELinear,
     axis_size,
     config_problem,
     decide,

@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 
 from . import _formats, _haliax
 from ._boundaries import vma
-from ._dot_general import Fp8DotGeneral, check_operand, make_call
 from ._gemm import (
     Call,
     GemmSettings,
@@ -45,11 +44,20 @@ from ._gemm import (
     ragged_out_dtype,
     run_gemm,
 )
+from ._model import (
+    Fp8DotGeneral,
+    Fp8Linear,
+    Fp8MoELinear,
+    check_operand,
+    is_linear,
+    linear_call,
+    make_call,
+    moe_call,
+    path_str,
+)
 from ._quantized import QuantizedArray
-from ._ragged import Fp8MoELinear, moe_call
 from ._recipes import AbstractScalingRecipe, Operand
 from ._state import CORRUPT_STATE
-from ._transform import Fp8Linear, linear_call, path_str
 
 T = TypeVar("T")
 
@@ -476,7 +484,8 @@ class ServingMoELinear(eqx.Module):
 ServingLayer = ServingLinear | ServingHaliaxLinear | ServingMoELinear
 
 
-def _is_serving(x) -> bool:
+def is_serving_layer(x) -> bool:
+    """A serving layer: what `to_serving` makes of an FP8 layer."""
     return isinstance(x, ServingLinear | ServingHaliaxLinear | ServingMoELinear)
 
 
@@ -697,7 +706,7 @@ def _convert_moe(layer: str, lin: Fp8MoELinear, check: bool) -> ServingMoELinear
 
 
 def _is_node(x) -> bool:
-    return isinstance(x, eqx.nn.Linear | Fp8Linear | Fp8MoELinear) or _haliax.is_linear(x) or _is_serving(x)
+    return is_linear(x) or is_serving_layer(x)
 
 
 def _convert(model, check: bool):
@@ -707,7 +716,7 @@ def _convert(model, check: bool):
         if not _is_node(node):
             return node
         layer = path_str(path) or "(the model itself)"
-        if _is_serving(node):
+        if is_serving_layer(node):
             raise ValueError(
                 f"Layer `{layer}` is already a serving layer: `fp8ax.to_serving` was called on this model "
                 "before. Convert the training model once; a serving model cannot be converted again."

@@ -23,14 +23,12 @@ import numpy as np
 from jaxtyping import Array
 
 from . import _formats, _haliax
-from ._dot_general import Fp8DotGeneral
 from ._gemm import bwd_layout
 from ._maxgrad import merged_amax
+from ._model import Fp8DotGeneral, Fp8Linear, Fp8RaggedDot, haliax_batch_shape, path_str
 from ._quantized import QuantizedArray
-from ._ragged import Fp8RaggedDot
 from ._recipes import Operand
 from ._state import CORRUPT_STATE
-from ._transform import Fp8Linear, haliax_batch_shape, path_str
 
 ROLES = ("lhs", "rhs", "grad")
 _COUNTS = ("saturated", "underflow", "nonzero", "total")

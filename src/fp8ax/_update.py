@@ -181,7 +181,7 @@ def check_state(model, *, written: bool = False) -> None:
                 fp8ax.check_state(model, written=True)
         ```
     """
-    from ._dot_general import Fp8DotGeneral
+    from ._model import Fp8DotGeneral
     from ._state import CORRUPT_STATE
 
     if not isinstance(written, bool):

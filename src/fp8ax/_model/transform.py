@@ -2,173 +2,29 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeVar
 
 import equinox as eqx
-import jax
-import jax.numpy as jnp
 import jax.tree_util as jtu
-from jaxtyping import Array, PRNGKeyArray
 
 if TYPE_CHECKING:
-    import haliax.nn as hnn
+    pass
 
-from . import _haliax
-from ._config import Fp8Config
-from ._dot_general import Fp8DotGeneral
-from ._ragged import Fp8MoELinear
+from .. import _haliax
+from .config import Fp8Config
+from .dot_general import Fp8DotGeneral
+from .kinds import (
+    _axis_names,
+    _is_fp8,
+    haliax_batch_shape,
+    is_linear,
+    layer_features,
+    path_str,
+)
+from .linear import Fp8Linear
+from .moe import Fp8MoELinear
 
 T = TypeVar("T")
-
-
-class Fp8Linear(eqx.Module):
-    """`equinox.nn.Linear` with its matmul done by an [`fp8ax.Fp8DotGeneral`][].
-
-    Keeps `weight` and `bias` under the same names and in the same layout as
-    `equinox.nn.Linear` (`weight` is `(out_features, in_features)`), so the parameters
-    and their paths do not change when a model is converted. Built by
-    [`fp8ax.fp8_linear_layers`][]; use `Fp8Linear.from_linear` to build one by hand.
-    """
-
-    weight: Array
-    bias: Array | None
-    dot_general: Fp8DotGeneral
-    in_features: int | Literal["scalar"] = eqx.field(static=True)
-    out_features: int | Literal["scalar"] = eqx.field(static=True)
-    use_bias: bool = eqx.field(static=True)
-
-    @classmethod
-    def from_linear(cls, linear: eqx.nn.Linear, config: Fp8Config | None = None) -> Fp8Linear:
-        """Wraps an `equinox.nn.Linear` (its arrays are shared, not copied).
-
-        **Arguments:**
-
-        - `linear`: the layer to convert. If its `weight` has leading dimensions (an
-          ensemble built with `eqx.filter_vmap`), each member gets its own FP8 state.
-        - `config`: an [`fp8ax.Fp8Config`][]; default `Fp8Config()`.
-        """
-        if not isinstance(linear, eqx.nn.Linear):
-            raise TypeError(f"`linear` must be an `equinox.nn.Linear`, got {type(linear).__name__}.")
-        config = Fp8Config() if config is None else config
-        batch_shape = tuple(linear.weight.shape[:-2])
-        return cls(
-            weight=linear.weight,
-            bias=linear.bias,
-            dot_general=config.make_dot_general(batch_shape),
-            in_features=linear.in_features,
-            out_features=linear.out_features,
-            use_bias=linear.use_bias,
-        )
-
-    @jax.named_scope("fp8ax.Fp8Linear")
-    def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
-        """**Arguments:**
-
-        - `x`: the input, shape `(in_features,)` (or `()` if `in_features="scalar"`).
-          Unlike `equinox.nn.Linear`, leading batch dimensions are allowed too:
-          `(..., in_features)` runs one batched FP8 GEMM instead of one per example.
-        - `key`: ignored; there for compatibility with the rest of Equinox. (Keyword only
-          argument.)
-
-        **Returns:**
-
-        The output, shape `(out_features,)` (or `()` if `out_features="scalar"`), with
-        the same leading dimensions as `x`.
-        """
-        del key
-        return linear_call(self, x, self.weight)
-
-    def to_linear(self) -> eqx.nn.Linear:
-        """The plain `equinox.nn.Linear` with the same weight and bias."""
-        linear = object.__new__(eqx.nn.Linear)
-        for f in dataclasses.fields(eqx.nn.Linear):
-            if hasattr(self, f.name):
-                object.__setattr__(linear, f.name, getattr(self, f.name))
-        return linear
-
-
-def linear_call(layer, x, weight) -> Array:
-    """`layer.dot_general(x, weight)` over the last axis of `x`, plus `layer.bias`: the
-    call of an `equinox.nn.Linear`-shaped layer ([`fp8ax.Fp8Linear`][] and
-    [`fp8ax.ServingLinear`][]), with its checks on `x` and its `"scalar"` features."""
-    if layer.in_features == "scalar":
-        if jnp.shape(x) != ():
-            raise ValueError(f"`x` must be a scalar for in_features='scalar', got shape {jnp.shape(x)}.")
-        x = jnp.broadcast_to(x, (1,))
-    elif jnp.ndim(x) < 1 or jnp.shape(x)[-1] != layer.in_features:
-        raise ValueError(f"`x` must have shape (..., {layer.in_features}), got {jnp.shape(x)}.")
-    x = jnp.asarray(x)
-    y = layer.dot_general(x, weight, (((x.ndim - 1,), (1,)), ((), ())))
-    if layer.bias is not None:
-        with jax.numpy_dtype_promotion("standard"):
-            y = y + jnp.broadcast_to(layer.bias, y.shape)
-    if layer.out_features == "scalar":
-        y = y[..., 0]
-    return y
-
-
-def is_linear(x: Any) -> bool:
-    return isinstance(x, eqx.nn.Linear | Fp8Linear | Fp8MoELinear) or _haliax.is_linear(x) or _haliax.is_moe_linear(x)
-
-
-def _is_fp8(layer: Any) -> bool:
-    if isinstance(layer, Fp8Linear | Fp8MoELinear):
-        return True
-    if not _haliax.is_linear(layer):
-        return False
-    return not isinstance(layer.dot_general, _haliax.haxq().DefaultDotGeneralOp)
-
-
-def axis_size(spec) -> int:
-    if _haliax.is_axis(spec):
-        return spec.size
-    return math.prod(a.size for a in spec)
-
-
-def _axis_names(spec) -> set[str]:
-    if _haliax.is_axis(spec):
-        return {spec.name}
-    return {a.name for a in spec}
-
-
-def layer_features(layer) -> tuple[int, int]:
-    if _is_haliax_layer(layer):
-        return axis_size(layer.In), axis_size(layer.Out)
-    fin = 1 if layer.in_features == "scalar" else layer.in_features
-    fout = 1 if layer.out_features == "scalar" else layer.out_features
-    return fin, fout
-
-
-def _is_haliax_layer(layer) -> bool:
-    return isinstance(layer, Fp8MoELinear) or _haliax.is_linear(layer) or _haliax.is_moe_linear(layer)
-
-
-def haliax_batch_shape(layer: hnn.Linear) -> tuple[int, ...]:
-    # Axes of the weight that are neither In nor Out (nor a mixture of experts' Experts):
-    # the Block axes added by `haliax.nn.Stacked` (or an ensemble axis): one FP8 state per
-    # stacked layer.
-    own = _axis_names(layer.In) | _axis_names(layer.Out)
-    if isinstance(layer, Fp8MoELinear) or _haliax.is_moe_linear(layer):
-        own |= _axis_names(layer.Experts)
-    return tuple(ax.size for ax in layer.weight.axes if ax.name not in own)
-
-
-def path_str(path) -> str:
-    """Dotted form of a JAX key path: `blocks.stacked.mlp.up_proj`, `layers.0`."""
-    parts = []
-    for k in path:
-        if isinstance(k, jtu.GetAttrKey):
-            parts.append(k.name)
-        elif isinstance(k, jtu.SequenceKey):
-            parts.append(str(k.idx))
-        elif isinstance(k, jtu.DictKey):
-            parts.append(str(k.key))
-        elif isinstance(k, jtu.FlattenedIndexKey):
-            parts.append(str(k.key))
-        else:
-            parts.append(str(k))
-    return ".".join(parts)
 
 
 class Decision(NamedTuple):

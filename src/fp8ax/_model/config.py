@@ -6,10 +6,10 @@ from typing import Any, Unpack
 import equinox as eqx
 import numpy as np
 
-from ._dot_general import SETTINGS_FIELDS, Fp8DotGeneral
-from ._gemm import GEMM_KEYWORDS, GemmKeywords, GemmSettings, Mode, settings_from
-from ._ragged import Fp8RaggedDot
-from ._recipes import AbstractScalingRecipe
+from .._gemm import GEMM_KEYWORDS, GemmKeywords, GemmSettings, Mode, settings_from
+from .._recipes import AbstractScalingRecipe
+from .dot_general import SETTINGS_FIELDS, Fp8DotGeneral
+from .ragged_dot import Fp8RaggedDot
 
 Targets = None | str | Sequence[str] | Callable[[str, Any], bool]
 

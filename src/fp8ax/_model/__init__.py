@@ -1,0 +1,34 @@
+"""The ops and the model layers: what a converted model is made of, and the transform.
+
+- `dot_general`: `Fp8DotGeneral`, the FP8 drop-in for `jax.lax.dot_general`, with its
+  state; `ragged_dot`: `Fp8RaggedDot`, the one for `jax.lax.ragged_dot`; `advice`: the
+  one-time warning about GPU compile time;
+- `config`: `Fp8Config`, which builds the ops for each layer;
+- `linear`: `Fp8Linear` (Equinox); `moe`: `Fp8MoELinear` (Haliax mixture of experts);
+- `kinds`: the one list of layer kinds (linear, FP8, their features and stacked shapes);
+- `transform`: `fp8_linear_layers`, `strip_fp8`, and the decision per layer.
+
+This is the one unit besides the `_haliax` door that imports Haliax, at run time.
+"""
+
+from .advice import advise_gpu_compile as advise_gpu_compile
+from .config import Fp8Config as Fp8Config
+from .dot_general import Fp8DotGeneral as Fp8DotGeneral, check_operand as check_operand, make_call as make_call
+from .kinds import (
+    axis_size as axis_size,
+    fp8_op as fp8_op,
+    haliax_batch_shape as haliax_batch_shape,
+    is_linear as is_linear,
+    layer_features as layer_features,
+    path_str as path_str,
+)
+from .linear import Fp8Linear as Fp8Linear, linear_call as linear_call
+from .moe import Fp8MoELinear as Fp8MoELinear, moe_call as moe_call
+from .ragged_dot import Fp8RaggedDot as Fp8RaggedDot
+from .transform import (
+    Decision as Decision,
+    config_problem as config_problem,
+    decide as decide,
+    fp8_linear_layers as fp8_linear_layers,
+    strip_fp8 as strip_fp8,
+)
