@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 
 import fp8ax
-from fp8ax._accumulation import emulated_dot_general
+from fp8ax._tensor_core import emulated_dot_general
 
 MATMUL = (((1,), (0,)), ((), ()))
 DISTRIBUTIONS = {

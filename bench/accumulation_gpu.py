@@ -8,7 +8,7 @@ for several settings (fraction bits, products per step, promotion interval), com
 the same GPU (the emulation is exact arithmetic, so any backend gives the same bits):
 the share of outputs that match bit for bit and the maximum relative error.
 
-Needs only JAX, NumPy, ml_dtypes and equinox (it loads src/fp8ax/_accumulation.py by
+Needs only JAX, NumPy, ml_dtypes and equinox (it loads src/fp8ax/_tensor_core.py by
 path, so Haliax need not be installed). Writes JSON to --json.
 
     python bench/accumulation_gpu.py --json bench/results/accumulation_gpu_h100.json
@@ -26,7 +26,7 @@ import ml_dtypes
 import numpy as np
 
 HERE = pathlib.Path(__file__).resolve().parent
-spec = importlib.util.spec_from_file_location("fp8ax_accumulation", HERE.parent / "src" / "fp8ax" / "_accumulation.py")
+spec = importlib.util.spec_from_file_location("fp8ax_accumulation", HERE.parent / "src" / "fp8ax" / "_tensor_core.py")
 acc = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(acc)
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import fp8ax
-from fp8ax._accumulation import emulated_dot_general
+from fp8ax._tensor_core import emulated_dot_general
 from test_blockwise import reference_quantize
 
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2

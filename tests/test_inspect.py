@@ -182,7 +182,7 @@ ENTRY %main (a: f8e4m3fn[64,128], b: f8e4m3fn[32,128], x: bf16[64,128], w: bf16[
 
 
 def test_compiled_gpu_matmuls_are_read_with_their_operand_types():
-    from fp8ax._inspect import _compiled_gemms
+    from fp8ax._inspect.gemms import _compiled_gemms
 
     gemms = _compiled_gemms(_GPU_HLO, ())
     got = [(g.lhs, g.rhs, g.out, g.fp8, g.fp8ax) for g in gemms]

@@ -33,7 +33,6 @@ from ._recipes.quantize import quantize as quantize
 
 # isort: split
 # modules and state
-from ._accumulation import EmulatedAccumulation as EmulatedAccumulation
 from ._model import (
     Fp8DotGeneral as Fp8DotGeneral,
     Fp8Linear as Fp8Linear,
@@ -46,10 +45,10 @@ from ._state import (
     OverwriteWithGradient as OverwriteWithGradient,
     ScalingState as ScalingState,
 )
+from ._tensor_core import EmulatedAccumulation as EmulatedAccumulation
 
 # isort: split
 # training helpers
-from ._accumulate import accumulate_gradients as accumulate_gradients, microbatched as microbatched
 from ._calibrate import calibrate as calibrate
 from ._cast import cast_floating as cast_floating
 from ._checkpoint import (
@@ -57,12 +56,18 @@ from ._checkpoint import (
     tree_deserialise_leaves as tree_deserialise_leaves,
 )
 from ._distributed import pmean_gradients as pmean_gradients
+from ._microbatch import accumulate_gradients as accumulate_gradients, microbatched as microbatched
 
 # isort: split
 # reports
-from ._inspect import GemmReport as GemmReport, gemm_report as gemm_report
-from ._report import ConversionReport as ConversionReport, conversion_report as conversion_report
-from ._stats import plot_amax_history as plot_amax_history, scaling_stats as scaling_stats
+from ._inspect import (
+    ConversionReport as ConversionReport,
+    GemmReport as GemmReport,
+    conversion_report as conversion_report,
+    gemm_report as gemm_report,
+    plot_amax_history as plot_amax_history,
+    scaling_stats as scaling_stats,
+)
 
 # isort: split
 # serving

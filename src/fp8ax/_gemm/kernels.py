@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._accumulation import emulated_dot_general
 from .._quantized import QuantizedArray
+from .._tensor_core import emulated_dot_general
 from .dims import block_scaled_dot, rescale
 from .operands import (
     Call,

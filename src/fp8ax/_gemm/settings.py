@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._accumulation import EmulatedAccumulation
 from .._recipes import AbstractScalingRecipe, AbstractStatelessRecipe
 from .._recipes.delayed import DelayedScaling
+from .._tensor_core import EmulatedAccumulation
 
 Mode = Literal["direct", "qdq"]
 Role = Literal["lhs", "rhs", "grad"]

@@ -7,8 +7,8 @@ from typing import Any, Literal
 import equinox as eqx
 import jax.tree_util as jtu
 
-from . import _haliax
-from ._model import (
+from .. import _haliax
+from .._model import (
     Fp8Config,
     Fp8Linear,
     Fp8MoELinear,

@@ -22,13 +22,13 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array
 
-from . import _formats, _haliax
-from ._gemm import bwd_layout
-from ._maxgrad import merged_amax
-from ._model import Fp8DotGeneral, Fp8Linear, Fp8RaggedDot, haliax_batch_shape, path_str
-from ._quantized import QuantizedArray
-from ._recipes import Operand
-from ._state import CORRUPT_STATE
+from .. import _formats, _haliax
+from .._gemm import bwd_layout
+from .._maxgrad import merged_amax
+from .._model import Fp8DotGeneral, Fp8Linear, Fp8RaggedDot, haliax_batch_shape, path_str
+from .._quantized import QuantizedArray
+from .._recipes import Operand
+from .._state import CORRUPT_STATE
 
 ROLES = ("lhs", "rhs", "grad")
 _COUNTS = ("saturated", "underflow", "nonzero", "total")
