@@ -1,0 +1,379 @@
+# Serving: the weights of FP8 layers quantised once and stored in low precision.
+#
+# `to_serving` quantises every FP8 layer's weight with the layer's recipe and state, as
+# the training forward would quantise it, and keeps only the low-precision values and
+# their scale. At a call, the activation is quantised as in training (delayed scaling:
+# with the scale the frozen state gives; other recipes: from the activation itself) and
+# the GEMM is the training pipeline's own (`_gemm.run_gemm`), so the output is the
+# training forward's, bit for bit.
+#
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, TypeVar
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import jax.tree_util as jtu
+import numpy as np
+from jax import lax
+from jaxtyping import Array
+
+if TYPE_CHECKING:
+    import haliax.nn as hnn
+
+from .. import _haliax
+from .._gemm import (
+    Call,
+    RaggedCall,
+    quantise_weights,
+)
+from .._model import (
+    Fp8DotGeneral,
+    Fp8Linear,
+    Fp8MoELinear,
+    is_linear,
+    path_str,
+)
+from .._recipes import AbstractScalingRecipe, Operand
+from .._state import CORRUPT_STATE
+from .codec import _storable, encode, packed_length
+from .layers import ServingHaliaxLinear, ServingLinear, ServingMoELinear, is_serving_layer
+from .ops import ServingDotGeneral, ServingRaggedDot
+
+T = TypeVar("T")
+_E8M0 = np.dtype(jnp.float8_e8m0fnu)
+
+
+def _axis_names(spec) -> set[str]:
+    return {spec.name} if _haliax.is_axis(spec) else {a.name for a in spec}
+
+
+def _vmapped(f, n: int):
+    for _ in range(n):
+        f = jax.vmap(f)
+    return f
+
+
+def _check_filled(layer: str, dg: Fp8DotGeneral, stacked: str) -> None:
+    recipe = dg.settings.recipe
+    for role, what in (("lhs", "activation"), ("rhs", "weight")):
+        fields = tuple(jax.tree.leaves(getattr(dg, role)))
+        if any(isinstance(v, jax.core.Tracer) for v in fields):
+            raise ValueError("`fp8ax.to_serving` reads the FP8 state, so it must be called outside `jax.jit`.")
+        fields = tuple(np.asarray(v) for v in fields)
+        if not np.all(recipe.state_valid(fields)):
+            raise ValueError(f"Layer `{layer}`, {what} state (`{role}`): {CORRUPT_STATE}")
+        empty = ~np.asarray(recipe.state_observed(fields))
+        if np.any(empty):
+            where = ""
+            if empty.ndim:
+                where = (
+                    f" (stacked entries {[tuple(int(i) for i in ix) for ix in np.argwhere(empty)][:8]} of {stacked})"
+                )
+            raise ValueError(
+                f"Layer `{layer}`{where} has an empty {what} amax history (`{role}`), so there is no delayed "
+                "scale to freeze for serving. Either of two causes: (1) the training step dropped the new FP8 "
+                "state: `eqx.apply_updates(model, updates)` after `fp8ax.partition_for_grad_overwrite` leaves "
+                "the state as it was, so write it with `model = fp8ax.apply_updates(model, updates, overwrite)`; "
+                f"or (2) the layer never saw a nonzero {what} (it was not trained, or the steps did not reach it): "
+                "run it on a few batches with `fp8ax.calibrate(model, loss_fn, batches)` (post-training "
+                "quantisation: any scalar function of the output will do as `loss_fn`), or exclude the layer "
+                "from the FP8 conversion (`Fp8Config(targets=...)`)."
+            )
+
+
+def _convert_gemm(
+    layer: str, dg: Fp8DotGeneral, w: Array, contracting: tuple[int, ...], n_batch: int, check: bool, stacked: str
+) -> tuple[Array, ServingDotGeneral]:
+    """The stored weight (encoded) and the serving dot general of one FP8 GEMM whose
+    weight `w` (`n_batch` leading stacked dims) the training forward passes as `rhs`,
+    contracting `contracting` (axes of one stacked entry)."""
+    st = dg.settings  # what the training forward ran
+    recipe = st.operand_recipe("rhs")
+    if recipe is None or "fwd" in st.high_precision_gemms:
+        raise ValueError(
+            f"Layer `{layer}` keeps its weight in high precision in the forward GEMM (`rhs_recipe='off'` or "
+            "`high_precision_gemms` with 'fwd'), so it has no low-precision weight to serve. Exclude it from the "
+            "FP8 conversion (`Fp8Config(targets=...)`) to serve it as a plain layer."
+        )
+    if st.recipe.stateful and type(st.recipe).serving_scale is AbstractScalingRecipe.serving_scale:
+        raise ValueError(
+            f"Layer `{layer}` uses the stateful recipe {type(st.recipe).__name__}, which does not say how to freeze "
+            "its state for serving (it defines no `serving_scale`); `fp8ax.to_serving` serves the stateful recipes "
+            "that do (`DelayedScaling`) and the stateless ones."
+        )
+    weight_dtype = np.dtype(w.dtype)
+    if st.compute_dtype is not None:
+        w = w.astype(st.compute_dtype)
+    delayed = st.recipe.stateful
+    if delayed and check:
+        _check_filled(layer, dg, stacked)
+    dtype = recipe.dtype_for("rhs")
+
+    def quantise(w, state):
+        return recipe.quantize_operands([Operand(w, tuple(contracting), dtype, state, role="rhs")])[0][0]
+
+    state = tuple(jax.tree.leaves(dg.rhs)) if delayed else None
+    q = eqx.filter_jit(_vmapped(quantise, n_batch))(w, state)
+    _storable(np.dtype(q.values.dtype), layer)
+    input_scale = None
+    if delayed:
+        lhs_dtype = st.operand_recipe("lhs").dtype_for("lhs")
+
+        def frozen(state):
+            return st.recipe.serving_scale(state, lhs_dtype)
+
+        input_scale = eqx.filter_jit(_vmapped(frozen, n_batch))(tuple(jax.tree.leaves(dg.lhs)))
+    scale = q.scale
+    scale_format = np.dtype(scale.dtype)
+    if scale_format.itemsize == 1:  # E8M0 (MX), E4M3 (NVFP4): kept as bits, which no cast touches
+        scale = lax.bitcast_convert_type(scale, jnp.uint8)
+    serving = ServingDotGeneral(
+        weight_scale=scale,
+        input_scale=input_scale,
+        weight_outer_scale=q.outer_scale,
+        settings=st,
+        weight_dtype=weight_dtype,
+        value_dtype=np.dtype(q.values.dtype),
+        tile=q.tile,
+        int_exponent=q.int_exponent,
+        weight_scale_dtype=np.dtype(scale.dtype),
+        layer=layer,
+        packed_length=packed_length(q.values),
+        weight_scale_format=scale_format if scale_format.itemsize == 1 else _E8M0,
+    )
+    return eqx.filter_jit(encode)(q.values), serving
+
+
+def _convert_eqx(layer: str, lin: Fp8Linear, check: bool) -> ServingLinear:
+    n_batch = lin.weight.ndim - 2
+    weight, dg = _convert_gemm(
+        layer,
+        lin.dot_general,
+        lin.weight,
+        (1,),
+        n_batch,
+        check,
+        f"the leading weight dims {lin.weight.shape[:n_batch]}",
+    )
+    return ServingLinear(weight, lin.bias, dg, lin.in_features, lin.out_features, lin.use_bias)
+
+
+def _convert_haliax(layer: str, lin: hnn.Linear, check: bool) -> ServingHaliaxLinear:
+    _haliax.require_haliax_matmul("fp8ax.to_serving")
+    own = _axis_names(lin.In) | _axis_names(lin.Out)
+    names = [ax.name for ax in lin.weight.axes]
+    n_batch = sum(n not in own for n in names)
+    if any(n not in own for n in names[n_batch:]):
+        raise ValueError(
+            f"Layer `{layer}`: the stacked axes of its weight {lin.weight.axes} must come first (as "
+            "`haliax.nn.Stacked` puts them) for `fp8ax.to_serving`."
+        )
+    # The training call multiplies the weight by the reparametrisation's scale first.
+    w = (lin.weight * lin.reparam.active_scale).array
+    in_names = _axis_names(lin.In)
+    contracting = tuple(i for i, n in enumerate(names[n_batch:]) if n in in_names)
+    stacked = f"the stacked axes {lin.weight.axes[:n_batch]}"
+    weight, dg = _convert_gemm(layer, lin.dot_general, w, contracting, n_batch, check, stacked)
+    axes = lin.weight.axes
+    if dg.packed_length is not None:  # FP4: two values per byte along the last axis
+        axes = axes[:-1] + (axes[-1].resize(weight.shape[-1]),)
+    return ServingHaliaxLinear(_haliax.hax().NamedArray(weight, axes), lin.bias, dg, lin.In, lin.Out)
+
+
+def _convert_moe(layer: str, lin: Fp8MoELinear, check: bool) -> ServingMoELinear:
+    rg = lin.ragged
+    st = rg.settings
+    if st.operand_recipe("rhs") is None or "fwd" in st.high_precision_gemms:
+        raise ValueError(
+            f"Layer `{layer}` keeps its expert weights in high precision in the forward GEMM, so it has no "
+            "low-precision weight to serve. Exclude it from the FP8 conversion (`Fp8Config(targets=...)`)."
+        )
+    if st.recipe.stateful and type(st.recipe).serving_scale is AbstractScalingRecipe.serving_scale:
+        raise ValueError(
+            f"Layer `{layer}` uses the stateful recipe {type(st.recipe).__name__}, which does not say how to freeze "
+            "its state for serving (it defines no `serving_scale`)."
+        )
+    own = [lin.Experts, lin.In, lin.Out]
+    batch = [ax for ax in lin.weight.axes if ax.name not in {a.name for a in own}]
+    if list(lin.weight.axes[: len(batch)]) != batch:
+        raise ValueError(
+            f"Layer `{layer}`: the stacked axes of its weight {lin.weight.axes} must come first (as "
+            "`haliax.nn.Stacked` puts them) for `fp8ax.to_serving`."
+        )
+    n_batch = len(batch)
+    w = lin.weight.rearrange((*batch, *own)).array
+    weight_dtype = np.dtype(w.dtype)
+    if st.compute_dtype is not None:
+        w = w.astype(st.compute_dtype)
+    delayed = st.recipe.stateful
+    if delayed and check:
+        _check_filled(layer, rg, f"the stacked axes {tuple(batch)} and experts {lin.Experts}")
+    call = Call(
+        st, (((1,), (1,)), ((), ())), weight_dtype, np.dtype(w.dtype), weight_dtype, None, (), frozenset(), frozenset()
+    )
+    rc = RaggedCall(call, rg.per_expert_weights, rg.per_group_tokens)
+
+    def quantise(w, state):
+        return quantise_weights(rc, w, (1,), state, None)[0]
+
+    state = tuple(jax.tree.leaves(rg.rhs)) if delayed else None
+    q = eqx.filter_jit(_vmapped(quantise, n_batch))(w, state)
+    _storable(np.dtype(q.values.dtype), layer)
+    input_scale = None
+    if delayed:
+        lhs_dtype = st.operand_recipe("lhs").dtype_for("lhs")
+        frozen = lambda state: st.recipe.serving_scale(state, lhs_dtype)  # noqa: E731
+        input_scale = eqx.filter_jit(_vmapped(frozen, n_batch))(tuple(jax.tree.leaves(rg.lhs)))
+    if q.outer_scale is not None:
+        raise ValueError(
+            f"Layer `{layer}`: `fp8ax.to_serving` does not serve grouped GEMMs with two-level scales (NVFP4) yet; "
+            "exclude the layer from the FP8 conversion or train it with another recipe."
+        )
+    scale = q.scale
+    scale_format = np.dtype(scale.dtype)
+    if scale_format.itemsize == 1:
+        scale = lax.bitcast_convert_type(scale, jnp.uint8)
+    ragged = ServingRaggedDot(
+        weight_scale=scale,
+        input_scale=input_scale,
+        settings=st,
+        per_expert_weights=rg.per_expert_weights,
+        weight_dtype=weight_dtype,
+        value_dtype=np.dtype(q.values.dtype),
+        tile=q.tile,
+        int_exponent=q.int_exponent,
+        weight_scale_format=scale_format,
+        layer=layer,
+        packed_length=packed_length(q.values),
+        per_group_tokens=rg.per_group_tokens,
+    )
+    values = eqx.filter_jit(encode)(q.values)
+    axes = tuple(batch) + tuple(own)
+    if ragged.packed_length is not None:
+        axes = axes[:-1] + (axes[-1].resize(values.shape[-1]),)
+    return ServingMoELinear(
+        _haliax.hax().NamedArray(values, axes), lin.bias, ragged, lin.Experts, lin.In, lin.Out, lin.use_gmm
+    )
+
+
+def _is_node(x) -> bool:
+    return is_linear(x) or is_serving_layer(x)
+
+
+def _convert(model, check: bool):
+    converted = []
+
+    def convert(path, node):
+        if not _is_node(node):
+            return node
+        layer = path_str(path) or "(the model itself)"
+        if is_serving_layer(node):
+            raise ValueError(
+                f"Layer `{layer}` is already a serving layer: `fp8ax.to_serving` was called on this model "
+                "before. Convert the training model once; a serving model cannot be converted again."
+            )
+        if isinstance(node, Fp8Linear):
+            converted.append(layer)
+            return _convert_eqx(layer, node, check)
+        if isinstance(node, Fp8MoELinear):
+            converted.append(layer)
+            return _convert_moe(layer, node, check)
+        if _haliax.is_linear(node) and isinstance(node.dot_general, Fp8DotGeneral):
+            converted.append(layer)
+            return _convert_haliax(layer, node, check)
+        if _haliax.is_linear(node) and isinstance(
+            node.dot_general, _haliax.haxq().Fp8DotGeneralOp | _haliax.haxq().Int8DotGeneralOp
+        ):
+            raise ValueError(
+                f"Layer `{layer}` uses Haliax's own {type(node.dot_general).__name__}, which `fp8ax.to_serving` "
+                "cannot convert. Convert the model with `fp8ax.fp8_linear_layers` instead of "
+                "`haliax.quantization.quantize_linear_layers`."
+            )
+        return node  # a plain layer (exempt from FP8): served as it is
+
+    out = jtu.tree_map_with_path(convert, model, is_leaf=_is_node)
+    if not converted:
+        raise ValueError(
+            f"`fp8ax.to_serving` found no FP8 layer in `model` (a {type(model).__name__}). Convert the model with "
+            "`fp8ax.fp8_linear_layers(model, config)` first (and, for delayed scaling, train or "
+            "`fp8ax.calibrate` it)."
+        )
+    return out
+
+
+def to_serving(model: T) -> T:
+    """Converts a model trained (or calibrated) in FP8 for serving: each FP8 layer's
+    weight is quantised once, with the layer's recipe and state, and stored in low
+    precision. The float weight is not kept.
+
+    - An [`fp8ax.Fp8Linear`][] becomes an [`fp8ax.ServingLinear`][]; a
+      `haliax.nn.Linear` with an [`fp8ax.Fp8DotGeneral`][] (also inside
+      `haliax.nn.Stacked`) becomes an [`fp8ax.ServingHaliaxLinear`][]. Plain layers (not
+      converted to FP8, e.g. by `Fp8Config(targets=...)`) are left as they are.
+    - Stored: FP8 values (as uint8 bits) for FP8 recipes, int8 values for
+      [`fp8ax.Int8Scaling`][], elements and E8M0 scales for [`fp8ax.MXScaling`][], with
+      the weight's scale in float32 (tensor and row scales).
+    - Activations are quantised at every call as in training. Delayed scaling: with the
+      scale the layer's state gives now (the state is frozen; serving updates nothing).
+      Other recipes: from the activation itself.
+
+    The serving model's forward output equals the training model's on the same input,
+    bit for bit. It is an ordinary PyTree: `eqx.tree_serialise_leaves` saves it (the
+    weights at 1 byte per value), and [`fp8ax.serving_template`][] gives the structure
+    to load it into. It cannot be differentiated (a derivative through a serving layer
+    raises an error that names the layer).
+
+    **Arguments:**
+
+    - `model`: a model converted by [`fp8ax.fp8_linear_layers`][]. Call this outside
+      `jax.jit`: it reads the state.
+
+    **Returns:**
+
+    The serving model; `model` itself is not modified.
+
+    **Raises:**
+
+    `ValueError` naming the layer if a delayed-scaling layer's activation or weight
+    history is empty (never observed: run [`fp8ax.calibrate`][] first), if `model` is
+    already a serving model, or if it holds no FP8 layer.
+
+    !!! Example
+
+        ```python
+        serving = fp8ax.to_serving(model)
+        eqx.tree_serialise_leaves("served.eqx", serving)
+        ```
+    """
+    return _convert(model, check=True)
+
+
+def serving_template(model: T) -> T:
+    """The structure of [`fp8ax.to_serving`][]`(model)`, with zero-filled arrays: the
+    template to load a serving checkpoint into.
+
+    The FP8 state of `model` is not read, so a freshly converted, never-trained model
+    will do: `fp8ax.serving_template(fp8ax.fp8_linear_layers(init_model, config))` with
+    the config the served model was trained with.
+
+    **Arguments:**
+
+    - `model`: a model converted by [`fp8ax.fp8_linear_layers`][].
+
+    **Returns:**
+
+    A serving model whose arrays are all zero.
+
+    !!! Example
+
+        ```python
+        like = fp8ax.serving_template(fp8ax.fp8_linear_layers(init_model, config))
+        serving = fp8ax.tree_deserialise_leaves("served.eqx", like)
+        ```
+    """
+    shapes = eqx.filter_eval_shape(functools.partial(_convert, check=False), model)
+    return jtu.tree_map(lambda s: jnp.zeros(s.shape, s.dtype) if isinstance(s, jax.ShapeDtypeStruct) else s, shapes)
