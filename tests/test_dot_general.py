@@ -429,3 +429,29 @@ def test_no_gpu_advice_on_the_cpu(monkeypatch, getkey):
         warnings.simplefilter("error")
         fp8ax.Fp8DotGeneral.init()(x, w, DIMS)
     assert _dot_general._ADVISED == []
+
+
+def test_every_gemm_setting_reads_the_same_on_ops_and_config():
+    # One place (`SettingsView`) answers what an op's or a config's settings are, under
+    # the names users know; it names every field of `GemmSettings`, so a new setting
+    # cannot be readable on one and missing on another (as `accumulation` and
+    # `block_scaled_gemm` were on `Fp8DotGeneral`).
+    from fp8ax._gemm import SETTINGS_FIELDS, SettingsView
+
+    views = {name for name, value in vars(SettingsView).items() if isinstance(value, property)}
+    assert views == set(SETTINGS_FIELDS), sorted(views ^ set(SETTINGS_FIELDS))
+    acc = fp8ax.EmulatedAccumulation()
+    settings = fp8ax.GemmSettings(fp8ax.CurrentScaling(), accumulation=acc, high_precision_gemms=("drhs",))
+    grouped = fp8ax.GemmSettings(fp8ax.MXScaling(), block_scaled_gemm=False, high_precision_gemms=("dlhs",))
+    config = fp8ax.Fp8Config(settings=settings)
+    owners = [
+        (fp8ax.Fp8DotGeneral.init(settings=settings), settings),
+        (fp8ax.Fp8RaggedDot.init(settings=grouped, num_experts=2), grouped),
+        (config, settings),
+    ]
+    for owner, given in owners:
+        for name in SETTINGS_FIELDS:
+            assert getattr(owner, name) == getattr(given, name), (type(owner).__name__, name)
+    assert owners[0][0].accumulation is acc and owners[1][0].block_scaled_gemm is False
+    with pytest.raises(AttributeError):
+        config.not_a_setting  # noqa: B018

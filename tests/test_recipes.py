@@ -1,5 +1,7 @@
 """DelayedScaling: validation, and a float64 NumPy replay of the scaling maths."""
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -295,3 +297,58 @@ def test_scales_planned_together_are_each_states_own(algo, margin, getkey):
     assert first_call.planned_scale(first_call.plan(states[:1], dtypes[:1])[0]) is None
     with pytest.raises(ValueError, match=r"`dtypes` must give one format per state \(2\), got 1"):
         recipe.plan(states[:2], dtypes[:1])
+
+
+class _SeededTensorwise(fp8ax.AbstractStatelessRecipe):
+    """A recipe written outside fp8ax that rounds the output gradient stochastically: it
+    declares `rounding_seed` and has no `seed` attribute (the interface asks for none)."""
+
+    fwd_dtype: np.dtype = eqx.field(static=True)
+    grad_dtype: np.dtype = eqx.field(static=True)
+    stochastic_grads: bool = eqx.field(static=True)
+
+    def __init__(self, stochastic_grads: bool):
+        self.fwd_dtype = np.dtype(jnp.float8_e4m3fn)
+        self.grad_dtype = np.dtype(jnp.float8_e5m2)
+        self.stochastic_grads = stochastic_grads
+
+    @property
+    def scale_layout(self):
+        return "tensor"
+
+    def rounding_seed(self, role):
+        return 7 if role == "grad" and self.stochastic_grads else None
+
+    def quantize_role(self, x, contracting_axes, role, key=None):
+        rounding = "nearest" if key is None else "stochastic"
+        return fp8ax.CurrentScaling(grad_rounding=rounding).quantize_role(x, contracting_axes, role, key)
+
+
+def test_a_recipe_declares_its_rounding_seed_and_the_pipeline_derives_the_keys(getkey):
+    # The seam issue 37 found: the backward pass read an undeclared `recipe.seed`
+    # (AttributeError). Now the pipeline asks `rounding_seed` and derives the keys.
+    x = jax.random.normal(getkey(), (16, 32))
+    w = jax.random.normal(getkey(), (32, 8))
+    g = jax.random.normal(getkey(), (16, 8)) * 1e-3
+    dims = (((1,), (0,)), ((), ()))
+
+    @functools.partial(jax.jit, static_argnums=2)
+    def grads(x, w, recipe_is_stochastic):
+        dg = fp8ax.Fp8DotGeneral.init(_SeededTensorwise(recipe_is_stochastic))
+        return jax.vjp(lambda x, w: dg(x, w, dims), x, w)[1](g)
+
+    stochastic, nearest = grads(x, w, True), grads(x, w, False)
+    assert _SeededTensorwise(True).stochastic("grad") and not _SeededTensorwise(False).stochastic("grad")
+    # Stochastic rounding of the gradient changes the input and weight gradients
+    # (reproducibly: the key comes from the seed and the gradient's contents).
+    assert not np.array_equal(np.asarray(stochastic[0]), np.asarray(nearest[0]))
+    np.testing.assert_array_equal(np.asarray(stochastic[0]), np.asarray(grads(x, w, True)[0]))
+
+
+def test_overriding_stochastic_instead_of_rounding_seed_is_an_error():
+    class _Old(_SeededTensorwise):
+        def stochastic(self, role):
+            return role == "grad"
+
+    with pytest.raises(TypeError, match="overrides `stochastic`; define `rounding_seed"):
+        _Old(True)

@@ -31,8 +31,10 @@ from .kernels import run_gemm as run_gemm
 from .operands import Call as Call, quantise as quantise
 from .settings import (
     GEMM_KEYWORDS as GEMM_KEYWORDS,
+    SETTINGS_FIELDS as SETTINGS_FIELDS,
     GemmKeywords as GemmKeywords,
     GemmSettings as GemmSettings,
     Mode as Mode,
+    SettingsView as SettingsView,
     settings_from as settings_from,
 )

@@ -28,7 +28,6 @@ from jaxtyping import Array
 from .. import _boundaries
 from .._maxgrad import raw_to_max
 from .._quantized import QuantizedArray
-from .._rounding import content_key
 from .dims import bwd_layout, oriented_gemm
 from .kernels import (
     _fp8_pair,
@@ -39,13 +38,13 @@ from .operands import (
     ROLES,
     Call,
     _grad_once,
+    _gradient_keys,
     _lay_out_by_axis_mapping,
     _planned_scales,
     _plans,
     _quantise_together,
     _reusable,
     _states,
-    _stochastic,
     quantise,
     reduce_to,
 )
@@ -105,8 +104,7 @@ def _bwd(call: Call, residuals, g):
     hp = st.high_precision_gemms
     grad_recipe = st.operand_recipe("grad")
 
-    stochastic = _stochastic(grad_recipe)
-    keys = jax.random.split(content_key(grad_recipe.seed, g)) if stochastic else (None, None)
+    keys = _gradient_keys(grad_recipe, g)
     # A tensor-wise, round-to-nearest gradient is quantised once for both GEMMs (and a
     # stateful recipe observes it once).
     shared_g, new_g = None, None

@@ -35,12 +35,12 @@ if TYPE_CHECKING:
 
 from .._maxgrad import raw_to_max
 from .._quantized import QuantizedArray
-from .._rounding import content_key
 from .operands import (
     Call,
     _checked_result,
     _f32,
     _grad_once,
+    _gradient_keys,
     _is_fp8,
     _lay_out_by_axis_mapping,
     _operand_for,
@@ -49,7 +49,6 @@ from .operands import (
     _quantise_together,
     _reusable,
     _states,
-    _stochastic,
     quantise,
     reduce_to,
 )
@@ -293,8 +292,7 @@ def _bwd(rc: RaggedCall, residuals, g):
     lhs_shape = res_l.values.shape if isinstance(res_l, QuantizedArray) else res_l.shape
     rhs_shape = res_r.values.shape if isinstance(res_r, QuantizedArray) else res_r.shape
     grad_recipe = st.operand_recipe("grad")
-    stochastic = _stochastic(grad_recipe)
-    keys = jax.random.split(content_key(grad_recipe.seed, g)) if stochastic else (None, None)
+    keys = _gradient_keys(grad_recipe, g)
     shared_g, new_g = None, None
     if _grad_once(call):
         shared_g, new_g = quantise_tokens(rc, "grad", g, (1,), g_state, g_plan, group_sizes)

@@ -15,6 +15,7 @@ from .._boundaries import vma
 from .._maxgrad import as_f32, merged_amax
 from .._quantized import QuantizedArray
 from .._recipes import Operand
+from .._rounding import content_key
 from .settings import GemmSettings
 
 ROLES = ("lhs", "rhs", "grad")
@@ -245,5 +246,11 @@ def _states(raw) -> dict:
     return {role: tuple(f32[n * i : n * (i + 1)]) for i, role in enumerate(ROLES)}
 
 
-def _stochastic(recipe) -> bool:
-    return recipe is not None and recipe.stochastic("grad")
+def _gradient_keys(recipe, g) -> tuple:
+    """The keys the output gradient `g` is rounded with in the two backward GEMMs: from
+    the recipe's `rounding_seed("grad")` and `g`'s contents; `(None, None)` to round to
+    nearest."""
+    seed = None if recipe is None else recipe.rounding_seed("grad")
+    if seed is None:
+        return None, None
+    return tuple(jax.random.split(content_key(seed, g)))

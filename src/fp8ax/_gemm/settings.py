@@ -1,6 +1,7 @@
 # The settings of one low-precision dot general, in one immutable, validated object: the
 # single static field of `Fp8DotGeneral`, passed whole into the GEMM pipeline.
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any, Literal, TypedDict
 
@@ -224,6 +225,37 @@ class GemmSettings(eqx.Module):
     def stateful(self) -> bool:
         """Whether the modules these settings build keep FP8 state."""
         return self.recipe.stateful
+
+
+# The names of GemmSettings' fields.
+SETTINGS_FIELDS = tuple(f.name for f in dataclasses.fields(GemmSettings))
+
+
+class SettingsView(eqx.Module):
+    """Read-only views of `settings`' fields under the names users know: the one place
+    that answers what an op's (or a config's) GEMM settings are. [`fp8ax.Fp8DotGeneral`][],
+    [`fp8ax.Fp8RaggedDot`][] and [`fp8ax.Fp8Config`][] derive from it;
+    tests/test_dot_general.py checks that it names every field of `GemmSettings`."""
+
+    settings: eqx.AbstractVar[GemmSettings]
+
+    recipe = property(lambda self: self.settings.recipe, doc="The scaling recipe (`settings.recipe`).")
+    mode = property(lambda self: self.settings.mode, doc="`settings.mode`.")
+    compute_dtype = property(lambda self: self.settings.compute_dtype, doc="`settings.compute_dtype`.")
+    fwd_precision = property(lambda self: self.settings.fwd_precision, doc="`settings.fwd_precision`.")
+    dlhs_precision = property(lambda self: self.settings.dlhs_precision, doc="`settings.dlhs_precision`.")
+    drhs_precision = property(lambda self: self.settings.drhs_precision, doc="`settings.drhs_precision`.")
+    lhs_recipe = property(lambda self: self.settings.lhs_recipe, doc="`settings.lhs_recipe`.")
+    rhs_recipe = property(lambda self: self.settings.rhs_recipe, doc="`settings.rhs_recipe`.")
+    grad_recipe = property(lambda self: self.settings.grad_recipe, doc="`settings.grad_recipe`.")
+    high_precision_gemms = property(
+        lambda self: self.settings.high_precision_gemms, doc="`settings.high_precision_gemms`."
+    )
+    fp8_all_gather_axes = property(
+        lambda self: self.settings.fp8_all_gather_axes, doc="`settings.fp8_all_gather_axes`."
+    )
+    accumulation = property(lambda self: self.settings.accumulation, doc="`settings.accumulation`.")
+    block_scaled_gemm = property(lambda self: self.settings.block_scaled_gemm, doc="`settings.block_scaled_gemm`.")
 
 
 class GemmKeywords(TypedDict, total=False):

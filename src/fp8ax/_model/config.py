@@ -6,15 +6,15 @@ from typing import Any, Unpack
 import equinox as eqx
 import numpy as np
 
-from .._gemm import GEMM_KEYWORDS, GemmKeywords, GemmSettings, Mode, settings_from
+from .._gemm import GEMM_KEYWORDS, GemmKeywords, GemmSettings, Mode, SettingsView, settings_from
 from .._recipes import AbstractScalingRecipe
-from .dot_general import SETTINGS_FIELDS, Fp8DotGeneral
+from .dot_general import Fp8DotGeneral
 from .ragged_dot import Fp8RaggedDot
 
 Targets = None | str | Sequence[str] | Callable[[str, Any], bool]
 
 
-class Fp8Config(eqx.Module):
+class Fp8Config(SettingsView):
     """Which linear layers [`fp8ax.fp8_linear_layers`][] converts, and how: `targets` and
     `min_features` choose the layers, `settings` (an [`fp8ax.GemmSettings`][]) says how
     their GEMMs run, and `fp8_all_gather` asks for each layer's FSDP all-gather in FP8.
@@ -101,12 +101,6 @@ class Fp8Config(eqx.Module):
             raise TypeError(f"`min_features` must be an int >= 0, got {self.min_features!r}.")
         if self.min_features < 0:
             raise ValueError(f"`min_features` must be >= 0, got {self.min_features}.")
-
-    def __getattr__(self, name):
-        # The GEMM settings read through the config, under the names users know.
-        if name in SETTINGS_FIELDS:
-            return getattr(self.settings, name)
-        raise AttributeError(f"'Fp8Config' object has no attribute {name!r}")
 
     def matches(self, path: str, layer: Any) -> bool:
         """Whether `targets` selects the layer at dotted `path` (ignores `min_features`)."""

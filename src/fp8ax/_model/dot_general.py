@@ -1,4 +1,3 @@
-import dataclasses
 import functools
 from typing import Unpack
 
@@ -12,11 +11,13 @@ from jaxtyping import Array, ArrayLike
 from .. import _formats
 from .._boundaries import check_eager_shard_map, vma
 from .._gemm import (
+    SETTINGS_FIELDS,
     Call,
     DimensionNumbers,
     GemmKeywords,
     GemmSettings,
     Mode,
+    SettingsView,
     check_dimension_numbers,
     quantized_dot,
     settings_from,
@@ -26,11 +27,8 @@ from .._recipes import AbstractScalingRecipe
 from .._state import CORRUPT_STATE, AbstractState, OverwriteWithGradient
 from .advice import advise_gpu_compile
 
-# The names of GemmSettings' fields, read through the module and the config.
-SETTINGS_FIELDS = tuple(f.name for f in dataclasses.fields(GemmSettings))
 
-
-class Fp8DotGeneral(OverwriteWithGradient):
+class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
     """Low-precision drop-in for `jax.lax.dot_general`: FP8 (or MX, or int8) GEMMs.
 
     With [`fp8ax.DelayedScaling`][] (the default) it holds the scaling state of its three
@@ -85,23 +83,6 @@ class Fp8DotGeneral(OverwriteWithGradient):
                     f"`{name}` must be a recipe's state (an `fp8ax.AbstractState`, such as `fp8ax.ScalingState`) or "
                     f"None, got {type(getattr(self, name)).__name__}."
                 )
-
-    # Read-only views of the settings, under the names users know.
-    recipe = property(lambda self: self.settings.recipe, doc="The scaling recipe (`settings.recipe`).")
-    mode = property(lambda self: self.settings.mode, doc="`settings.mode`.")
-    compute_dtype = property(lambda self: self.settings.compute_dtype, doc="`settings.compute_dtype`.")
-    fwd_precision = property(lambda self: self.settings.fwd_precision, doc="`settings.fwd_precision`.")
-    dlhs_precision = property(lambda self: self.settings.dlhs_precision, doc="`settings.dlhs_precision`.")
-    drhs_precision = property(lambda self: self.settings.drhs_precision, doc="`settings.drhs_precision`.")
-    lhs_recipe = property(lambda self: self.settings.lhs_recipe, doc="`settings.lhs_recipe`.")
-    rhs_recipe = property(lambda self: self.settings.rhs_recipe, doc="`settings.rhs_recipe`.")
-    grad_recipe = property(lambda self: self.settings.grad_recipe, doc="`settings.grad_recipe`.")
-    high_precision_gemms = property(
-        lambda self: self.settings.high_precision_gemms, doc="`settings.high_precision_gemms`."
-    )
-    fp8_all_gather_axes = property(
-        lambda self: self.settings.fp8_all_gather_axes, doc="`settings.fp8_all_gather_axes`."
-    )
 
     @classmethod
     def init(

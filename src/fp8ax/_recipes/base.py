@@ -77,7 +77,7 @@ class AbstractScalingRecipe(eqx.Module):
       scale comes from a state that training writes back through the gradient (see
       [`fp8ax.apply_updates`][]);
     - *stateless* recipes ([`fp8ax.AbstractStatelessRecipe`][]: current, MX, int8)
-      implement `quantize`: the scale comes from the tensor itself, and modules carry no
+      implement `quantize_role`: the scale comes from the tensor itself, and modules carry no
       state.
 
     Concrete recipes are final: to change one, wrap it rather than subclass it.
@@ -113,11 +113,27 @@ class AbstractScalingRecipe(eqx.Module):
         del role
         return self.scale_layout == "tensor"
 
-    def stochastic(self, role: str) -> bool:
-        """Whether operand `role` is rounded stochastically (it then needs a `key`).
-        The default rounds everything to nearest."""
+    def rounding_seed(self, role: str) -> int | None:
+        """The seed operand `role` is rounded stochastically with, or None (the default)
+        to round it to nearest. In a GEMM the pipeline derives the key of each tensor from
+        this seed and the tensor's contents (reproducible, and new at every step) and
+        hands it to `quantize_operand(s)` as `key`; [`fp8ax.quantize`][] takes the key
+        from its caller."""
         del role
-        return False
+        return None
+
+    def stochastic(self, role: str) -> bool:
+        """Whether operand `role` is rounded stochastically (it then needs a `key`):
+        `rounding_seed(role)` is not None. Override `rounding_seed`, not this."""
+        return self.rounding_seed(role) is not None
+
+    def __check_init__(self):
+        if type(self).stochastic is not AbstractScalingRecipe.stochastic:
+            raise TypeError(
+                f"{type(self).__name__} overrides `stochastic`; define `rounding_seed(role)` instead (the seed the "
+                "operand is rounded stochastically with, or None to round to nearest): the GEMM pipeline derives "
+                "each tensor's key from it."
+            )
 
     def weight_gradient_rotation(self) -> Array | None:
         """An orthogonal `(n, n)` matrix that both operands of the weight-gradient GEMM

@@ -78,14 +78,9 @@ class BlockwiseScaling(AbstractStatelessRecipe):
             extents.update(run_tiles(shape, free, self.tile))
         return tuple(extents.get(d, 1) for d in range(len(shape)))
 
-    def quantize(self, x, contracting_axes, dtype, key=None) -> QuantizedArray:
-        return self._quantize(x, contracting_axes, "grad" if np.dtype(dtype) != self.fwd_dtype else "lhs", dtype)
-
     def quantize_role(self, x, contracting_axes, role, key=None) -> QuantizedArray:
         del key  # round to nearest, as DeepSeek-V3
-        return self._quantize(x, contracting_axes, role, self.dtype_for(role))
-
-    def _quantize(self, x, contracting_axes, role, dtype) -> QuantizedArray:
+        dtype = self.dtype_for(role)
         x = jnp.asarray(x)
         tile = self.tile_for(x.shape, tuple(contracting_axes), role)
         scale = _amax_scale(tiled_amax(x, tile), _formats.fp8_max(dtype), self.power_of_two)

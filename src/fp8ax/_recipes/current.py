@@ -74,10 +74,11 @@ class CurrentScaling(AbstractStatelessRecipe):
     def scale_layout(self) -> ScaleLayout:
         return self.granularity
 
-    def stochastic(self, role: str) -> bool:
-        return role == "grad" and self.grad_rounding == "stochastic"
+    def rounding_seed(self, role: str) -> int | None:
+        return self.seed if role == "grad" and self.grad_rounding == "stochastic" else None
 
-    def quantize(self, x, contracting_axes, dtype, key=None) -> QuantizedArray:
+    def quantize_role(self, x, contracting_axes, role, key=None) -> QuantizedArray:
+        dtype = self.dtype_for(role)
         x = jnp.asarray(x)
         axes = tuple(range(x.ndim)) if self.granularity == "tensor" else tuple(contracting_axes)
         # The project's amax: not finite where a NaN or inf is reduced, whatever the size

@@ -49,11 +49,11 @@ class Int8Scaling(AbstractStatelessRecipe):
     def scale_layout(self) -> ScaleLayout:
         return "row"
 
-    def stochastic(self, role: str) -> bool:
-        return role == "grad" and self.grad_rounding == "stochastic"
+    def rounding_seed(self, role: str) -> int | None:
+        return self.seed if role == "grad" and self.grad_rounding == "stochastic" else None
 
-    def quantize(self, x, contracting_axes, dtype, key=None) -> QuantizedArray:
-        del dtype
+    def quantize_role(self, x, contracting_axes, role, key=None) -> QuantizedArray:
+        del role  # int8 for every role
         x = jnp.asarray(x)
         if key is None:
             values, scale = int8_quantize(x, tuple(contracting_axes))

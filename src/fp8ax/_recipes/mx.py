@@ -77,10 +77,10 @@ class MXScaling(AbstractStatelessRecipe):
     def scale_layout(self) -> ScaleLayout:
         return "block"
 
-    def quantize(self, x, contracting_axes, dtype, key=None) -> QuantizedArray:
+    def quantize_role(self, x, contracting_axes, role, key=None) -> QuantizedArray:
         del key  # stochastic rounding is not offered for MX formats
         x = jnp.asarray(x)
-        element = self.fwd_element if np.dtype(dtype) == self.fwd_dtype else self.grad_element
+        element = self.grad_element if role == "grad" else self.fwd_element
         if x.ndim == 0:
             # A 0-d operand (the output gradient of a full contraction, such as a vector
             # dot product): one block of one element, whose power-of-two scale is then

@@ -93,8 +93,8 @@ class NVFP4Scaling(AbstractStatelessRecipe):
     def contraction_independent(self, role: str) -> bool:
         return role == "rhs" and self.two_d_weights
 
-    def stochastic(self, role: str) -> bool:
-        return role == "grad" and self.stochastic_gradients
+    def rounding_seed(self, role: str) -> int | None:
+        return self.seed if role == "grad" and self.stochastic_gradients else None
 
     def weight_gradient_rotation(self) -> Array | None:
         return hadamard_16(jax.random.fold_in(jax.random.key(self.seed), 0x48AD)) if self.hadamard else None
@@ -108,10 +108,6 @@ class NVFP4Scaling(AbstractStatelessRecipe):
             free = [d for d in range(len(shape)) if d not in extents]
             extents.update(run_tiles(shape, free, BLOCK))
         return tuple(extents.get(d, 1) for d in range(len(shape)))
-
-    def quantize(self, x, contracting_axes, dtype, key=None) -> QuantizedArray:
-        del dtype  # E2M1 for every role
-        return self.quantize_role(x, contracting_axes, "lhs", key)
 
     def quantize_role(self, x, contracting_axes, role, key=None) -> QuantizedArray:
         x = jnp.asarray(x)

@@ -1,7 +1,7 @@
 # Stateless recipes: the scale of a tensor comes from the tensor itself, at every call.
 #
 # A stateless recipe quantises one operand of a GEMM given the axes the GEMM contracts
-# (`AbstractStatelessRecipe.quantize`). The scale never varies along those axes for
+# (`AbstractStatelessRecipe.quantize_role`). The scale never varies along those axes for
 # "tensor" and "row" granularity, so the GEMM runs on the low-precision values and the
 # scales multiply its result (what an FP8/int8 kernel does). MX block scales vary along
 # the contracting axis; those GEMMs are emulated on the dequantised values (exact in
@@ -35,31 +35,34 @@ class AbstractStatelessRecipe(AbstractScalingRecipe):
     """
 
     @abc.abstractmethod
-    def quantize(self, x: Array, contracting_axes: tuple[int, ...], dtype, key=None) -> QuantizedArray:
-        """Quantises `x`, an operand of a GEMM that contracts `contracting_axes`, to `dtype`."""
-
     def quantize_role(self, x: Array, contracting_axes: tuple[int, ...], role: str, key=None) -> QuantizedArray:
         """Quantises `x` as operand `role` (`"lhs"`, `"rhs"` or `"grad"`) of a GEMM that
-        contracts `contracting_axes`: what the GEMM pipeline calls. The default is
-        `quantize` in the role's format (`dtype_for(role)`); a recipe whose layout
-        depends on the role (2D weight blocks) overrides this."""
-        return self.quantize(x, contracting_axes, self.dtype_for(role), key)
+        contracts `contracting_axes`, to the role's format (`dtype_for(role)`); `key` is
+        the stochastic rounding key of a role with a `rounding_seed` (else None).
+
+        The one method a stateless recipe implements. The pipeline tells it the role, so
+        a recipe whose tiles or element type differ by role (2D weight blocks, MX's
+        gradient elements) reads it here rather than working it out from a format."""
 
     def quantize_operand(self, x, contracting_axes, dtype, *, state=None, key=None, merge=_no_merge):
-        del merge
-        if state is not None:
-            raise ValueError(f"`state` must be None: {type(self).__name__} keeps no state.")
-        return self.quantize(x, contracting_axes, dtype, key), None
+        del x, contracting_axes, dtype, state, key, merge
+        raise TypeError(
+            f"{type(self).__name__} keeps no state and quantises by role: call "
+            "`quantize_role(x, contracting_axes, role)`, `quantize_operands` with `fp8ax.Operand(..., role=...)`, "
+            "or `fp8ax.quantize`."
+        )
 
     def quantize_operands(self, operands):
         out = []
         for op in _as_operands(operands):
             if op.state is not None:
                 raise ValueError(f"`state` must be None: {type(self).__name__} keeps no state.")
-            if op.role is None:  # a caller that names the format, not the role
-                out.append((self.quantize(op.x, op.contracting_axes, op.dtype, op.key), None))
-            else:
-                out.append((self.quantize_role(op.x, op.contracting_axes, op.role, op.key), None))
+            if op.role not in ("lhs", "rhs", "grad"):
+                raise ValueError(
+                    f"`Operand.role` must be 'lhs', 'rhs' or 'grad' for {type(self).__name__}, which quantises by "
+                    f"role; got {op.role!r}."
+                )
+            out.append((self.quantize_role(op.x, op.contracting_axes, op.role, op.key), None))
         return out
 
 
