@@ -326,7 +326,7 @@ def test_round_trip_error_bound(elem, rule, getkey):
 @jax.jit
 def _per_tensor_e4m3(x, scale):
     q = _formats.quantize(x, scale, np.dtype(jnp.float8_e4m3fn))
-    return _formats.dequantize(q, scale, jnp.float32)
+    return q.astype(jnp.float32) * scale
 
 
 @pytest.mark.parametrize("outlier", [1e3, 1e5])

@@ -130,11 +130,6 @@ def _as_f32(x: ArrayLike) -> Array:
     return lax.convert_element_type(_as_array(x), np.float32)
 
 
-def dequantize(q: ArrayLike, scale: ArrayLike, dtype) -> Array:
-    """`q * scale` in `dtype` (the cast-then-multiply pattern XLA matches for FP8 GEMMs)."""
-    return jnp.asarray(q).astype(dtype) * jnp.asarray(scale).astype(dtype)
-
-
 def amax(x: ArrayLike, axes: tuple[int, ...] | None = None, *, keepdims: bool = False) -> Array:
     """max |x| as float32, over `axes` (all of them by default; kept as size-1 dims with
     `keepdims`); not finite (inf or NaN) where any element reduced is NaN or inf.

@@ -150,11 +150,6 @@ class QuantizedArray(eqx.Module):
         axis = self.block_axis
         return None if axis is None else self.tile[axis]
 
-    @property
-    def scale_factorises(self) -> bool:
-        """Whether the scale broadcasts against `values` (tensor and row layouts)."""
-        return self.tile is None
-
     def _tiled_axes(self) -> tuple[int, ...]:
         if self.tile is None:
             return ()
