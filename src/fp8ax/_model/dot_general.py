@@ -145,15 +145,7 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
         st = self.settings
         lhs = check_operand(lhs, "lhs")
         rhs = check_operand(rhs, "rhs")
-        if st.compute_dtype is not None:
-            lhs = lhs.astype(st.compute_dtype)
-            rhs = rhs.astype(st.compute_dtype)
-        raw = self._raw_state()
-        state_is_max = tuple(is_max(v) for v in raw)
-        if any(state_is_max):
-            check_eager_shard_map()
-        self._refuse_corrupt_state(raw)
-        advise_gpu_compile()
+        lhs, rhs, raw, state_is_max = self._begin_call(lhs, rhs)
         call = make_call(
             st,
             lhs.shape,
@@ -189,6 +181,22 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
             elif empty and not np.all(recipe.state_observed(fields)):
                 out.append((role, "empty"))
         return out
+
+    def _begin_call(self, lhs: Array, rhs: Array) -> tuple[Array, Array, tuple, tuple[bool, ...]]:
+        """What every call of an op does first: the operands in `compute_dtype`, the
+        state's raw arrays and which of them are in max form, the checks on the state
+        and the one-time GPU advice."""
+        st = self.settings
+        if st.compute_dtype is not None:
+            lhs = lhs.astype(st.compute_dtype)
+            rhs = rhs.astype(st.compute_dtype)
+        raw = self._raw_state()
+        state_is_max = tuple(is_max(v) for v in raw)
+        if any(state_is_max):
+            check_eager_shard_map()
+        self._refuse_corrupt_state(raw)
+        advise_gpu_compile()
+        return lhs, rhs, raw, state_is_max
 
     def _refuse_corrupt_state(self, raw: tuple) -> None:
         # An eager call sees the state's values: it refuses one that went through an

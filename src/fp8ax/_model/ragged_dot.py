@@ -13,7 +13,7 @@ from jaxtyping import Array, ArrayLike
 if TYPE_CHECKING:
     pass
 
-from .._boundaries import check_eager_shard_map, vma
+from .._boundaries import vma
 from .._gemm import (
     Call,
     GemmKeywords,
@@ -24,9 +24,7 @@ from .._gemm import (
     ragged_quantized_dot,
     settings_from,
 )
-from .._maxgrad import is_max
 from .._recipes import AbstractScalingRecipe
-from .advice import advise_gpu_compile
 from .dot_general import Fp8DotGeneral, check_operand
 
 
@@ -219,15 +217,7 @@ class Fp8RaggedDot(Fp8DotGeneral):
                     raise ValueError(
                         f"This layer's {what} state is for {experts} experts, but `rhs` has {rhs.shape[0]}."
                     )
-        if st.compute_dtype is not None:
-            lhs = lhs.astype(st.compute_dtype)
-            rhs = rhs.astype(st.compute_dtype)
-        raw = self._raw_state()
-        state_is_max = tuple(is_max(v) for v in raw)
-        if any(state_is_max):
-            check_eager_shard_map()
-        self._refuse_corrupt_state(raw)
-        advise_gpu_compile()
+        lhs, rhs, raw, state_is_max = self._begin_call(lhs, rhs)
         if preferred_element_type is not None:
             preferred_element_type = np.dtype(preferred_element_type)
             if not jnp.issubdtype(preferred_element_type, jnp.floating):

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
 
 import equinox as eqx
 import jax
@@ -34,9 +34,11 @@ from .._model import (
     Fp8DotGeneral,
     Fp8Linear,
     Fp8MoELinear,
+    Fp8RaggedDot,
     is_linear,
     path_str,
 )
+from .._quantized import QuantizedArray
 from .._recipes import AbstractScalingRecipe, Operand
 from .._state import CORRUPT_STATE
 from .codec import _storable, encode, packed_length
@@ -85,18 +87,26 @@ def _check_filled(layer: str, dg: Fp8DotGeneral, stacked: str) -> None:
             )
 
 
-def _convert_gemm(
-    layer: str, dg: Fp8DotGeneral, w: Array, contracting: tuple[int, ...], n_batch: int, check: bool, stacked: str
-) -> tuple[Array, ServingDotGeneral]:
-    """The stored weight (encoded) and the serving dot general of one FP8 GEMM whose
-    weight `w` (`n_batch` leading stacked dims) the training forward passes as `rhs`,
-    contracting `contracting` (axes of one stacked entry)."""
-    st = dg.settings  # what the training forward ran
-    recipe = st.operand_recipe("rhs")
-    if recipe is None or "fwd" in st.high_precision_gemms:
+class _Frozen(NamedTuple):
+    """What serving keeps of one FP8 op's weight."""
+
+    q: QuantizedArray  # the weight quantised as the training forward quantised it
+    input_scale: Array | None  # frozen from the input's state (a stateful recipe), else None
+    scale: Array  # the weight's scale; a 1-byte format (E8M0, E4M3) as its bits
+    scale_format: np.dtype
+    weight_dtype: np.dtype  # the training weight's dtype
+
+
+def _freeze(layer: str, op: Fp8DotGeneral, w: Array, quantise, n_batch: int, check: bool, stacked: str) -> _Frozen:
+    """The serving form of the weight `w` of the FP8 op `op` (dense or grouped: `n_batch`
+    leading stacked dims), quantised by `quantise(w, state)` under `vmap` over the
+    stacked dims, and the input scale frozen from the op's state."""
+    st = op.settings  # what the training forward ran
+    what = "expert weights" if isinstance(op, Fp8RaggedDot) else "weight"
+    if st.operand_recipe("rhs") is None or "fwd" in st.high_precision_gemms:
         raise ValueError(
-            f"Layer `{layer}` keeps its weight in high precision in the forward GEMM (`rhs_recipe='off'` or "
-            "`high_precision_gemms` with 'fwd'), so it has no low-precision weight to serve. Exclude it from the "
+            f"Layer `{layer}` keeps its {what} in high precision in the forward GEMM (`rhs_recipe='off'` or "
+            f"`high_precision_gemms` with 'fwd'), so it has no low-precision {what} to serve. Exclude it from the "
             "FP8 conversion (`Fp8Config(targets=...)`) to serve it as a plain layer."
         )
     if st.recipe.stateful and type(st.recipe).serving_scale is AbstractScalingRecipe.serving_scale:
@@ -110,13 +120,8 @@ def _convert_gemm(
         w = w.astype(st.compute_dtype)
     delayed = st.recipe.stateful
     if delayed and check:
-        _check_filled(layer, dg, stacked)
-    dtype = recipe.dtype_for("rhs")
-
-    def quantise(w, state):
-        return recipe.quantize_operands([Operand(w, tuple(contracting), dtype, state, role="rhs")])[0][0]
-
-    state = tuple(jax.tree.leaves(dg.rhs)) if delayed else None
+        _check_filled(layer, op, stacked)
+    state = tuple(jax.tree.leaves(op.rhs)) if delayed else None
     q = eqx.filter_jit(_vmapped(quantise, n_batch))(w, state)
     _storable(np.dtype(q.values.dtype), layer)
     input_scale = None
@@ -126,26 +131,42 @@ def _convert_gemm(
         def frozen(state):
             return st.recipe.serving_scale(state, lhs_dtype)
 
-        input_scale = eqx.filter_jit(_vmapped(frozen, n_batch))(tuple(jax.tree.leaves(dg.lhs)))
+        input_scale = eqx.filter_jit(_vmapped(frozen, n_batch))(tuple(jax.tree.leaves(op.lhs)))
     scale = q.scale
     scale_format = np.dtype(scale.dtype)
     if scale_format.itemsize == 1:  # E8M0 (MX), E4M3 (NVFP4): kept as bits, which no cast touches
         scale = lax.bitcast_convert_type(scale, jnp.uint8)
+    return _Frozen(q, input_scale, scale, scale_format, weight_dtype)
+
+
+def _convert_gemm(
+    layer: str, dg: Fp8DotGeneral, w: Array, contracting: tuple[int, ...], n_batch: int, check: bool, stacked: str
+) -> tuple[Array, ServingDotGeneral]:
+    """The stored weight (encoded) and the serving dot general of one FP8 GEMM whose
+    weight `w` (`n_batch` leading stacked dims) the training forward passes as `rhs`,
+    contracting `contracting` (axes of one stacked entry)."""
+    recipe = dg.settings.operand_recipe("rhs")
+
+    def quantise(w, state):
+        op = Operand(w, tuple(contracting), recipe.dtype_for("rhs"), state, role="rhs")
+        return recipe.quantize_operands([op])[0][0]
+
+    f = _freeze(layer, dg, w, quantise, n_batch, check, stacked)
     serving = ServingDotGeneral(
-        weight_scale=scale,
-        input_scale=input_scale,
-        weight_outer_scale=q.outer_scale,
-        settings=st,
-        weight_dtype=weight_dtype,
-        value_dtype=np.dtype(q.values.dtype),
-        tile=q.tile,
-        int_exponent=q.int_exponent,
-        weight_scale_dtype=np.dtype(scale.dtype),
+        weight_scale=f.scale,
+        input_scale=f.input_scale,
+        weight_outer_scale=f.q.outer_scale,
+        settings=dg.settings,
+        weight_dtype=f.weight_dtype,
+        value_dtype=np.dtype(f.q.values.dtype),
+        tile=f.q.tile,
+        int_exponent=f.q.int_exponent,
+        weight_scale_dtype=np.dtype(f.scale.dtype),
         layer=layer,
-        packed_length=packed_length(q.values),
-        weight_scale_format=scale_format if scale_format.itemsize == 1 else _E8M0,
+        packed_length=packed_length(f.q.values),
+        weight_scale_format=f.scale_format if f.scale_format.itemsize == 1 else _E8M0,
     )
-    return eqx.filter_jit(encode)(q.values), serving
+    return eqx.filter_jit(encode)(f.q.values), serving
 
 
 def _convert_eqx(layer: str, lin: Fp8Linear, check: bool) -> ServingLinear:
@@ -186,17 +207,6 @@ def _convert_haliax(layer: str, lin: hnn.Linear, check: bool) -> ServingHaliaxLi
 
 def _convert_moe(layer: str, lin: Fp8MoELinear, check: bool) -> ServingMoELinear:
     rg = lin.ragged
-    st = rg.settings
-    if st.operand_recipe("rhs") is None or "fwd" in st.high_precision_gemms:
-        raise ValueError(
-            f"Layer `{layer}` keeps its expert weights in high precision in the forward GEMM, so it has no "
-            "low-precision weight to serve. Exclude it from the FP8 conversion (`Fp8Config(targets=...)`)."
-        )
-    if st.recipe.stateful and type(st.recipe).serving_scale is AbstractScalingRecipe.serving_scale:
-        raise ValueError(
-            f"Layer `{layer}` uses the stateful recipe {type(st.recipe).__name__}, which does not say how to freeze "
-            "its state for serving (it defines no `serving_scale`)."
-        )
     own = [lin.Experts, lin.In, lin.Out]
     batch = [ax for ax in lin.weight.axes if ax.name not in {a.name for a in own}]
     if list(lin.weight.axes[: len(batch)]) != batch:
@@ -204,54 +214,38 @@ def _convert_moe(layer: str, lin: Fp8MoELinear, check: bool) -> ServingMoELinear
             f"Layer `{layer}`: the stacked axes of its weight {lin.weight.axes} must come first (as "
             "`haliax.nn.Stacked` puts them) for `fp8ax.to_serving`."
         )
-    n_batch = len(batch)
     w = lin.weight.rearrange((*batch, *own)).array
     weight_dtype = np.dtype(w.dtype)
-    if st.compute_dtype is not None:
-        w = w.astype(st.compute_dtype)
-    delayed = st.recipe.stateful
-    if delayed and check:
-        _check_filled(layer, rg, f"the stacked axes {tuple(batch)} and experts {lin.Experts}")
-    call = Call(
-        st, (((1,), (1,)), ((), ())), weight_dtype, np.dtype(w.dtype), weight_dtype, None, (), frozenset(), frozenset()
-    )
-    rc = RaggedCall(call, rg.per_expert_weights, rg.per_group_tokens)
 
     def quantise(w, state):
-        return quantise_weights(rc, w, (1,), state, None)[0]
+        dims = (((1,), (1,)), ((), ()))
+        call = Call(
+            rg.settings, dims, weight_dtype, np.dtype(w.dtype), weight_dtype, None, (), frozenset(), frozenset()
+        )
+        return quantise_weights(RaggedCall(call, rg.per_expert_weights, rg.per_group_tokens), w, (1,), state, None)[0]
 
-    state = tuple(jax.tree.leaves(rg.rhs)) if delayed else None
-    q = eqx.filter_jit(_vmapped(quantise, n_batch))(w, state)
-    _storable(np.dtype(q.values.dtype), layer)
-    input_scale = None
-    if delayed:
-        lhs_dtype = st.operand_recipe("lhs").dtype_for("lhs")
-        frozen = lambda state: st.recipe.serving_scale(state, lhs_dtype)  # noqa: E731
-        input_scale = eqx.filter_jit(_vmapped(frozen, n_batch))(tuple(jax.tree.leaves(rg.lhs)))
-    if q.outer_scale is not None:
+    stacked = f"the stacked axes {tuple(batch)} and experts {lin.Experts}"
+    f = _freeze(layer, rg, w, quantise, len(batch), check, stacked)
+    if f.q.outer_scale is not None:
         raise ValueError(
             f"Layer `{layer}`: `fp8ax.to_serving` does not serve grouped GEMMs with two-level scales (NVFP4) yet; "
             "exclude the layer from the FP8 conversion or train it with another recipe."
         )
-    scale = q.scale
-    scale_format = np.dtype(scale.dtype)
-    if scale_format.itemsize == 1:
-        scale = lax.bitcast_convert_type(scale, jnp.uint8)
     ragged = ServingRaggedDot(
-        weight_scale=scale,
-        input_scale=input_scale,
-        settings=st,
+        weight_scale=f.scale,
+        input_scale=f.input_scale,
+        settings=rg.settings,
         per_expert_weights=rg.per_expert_weights,
-        weight_dtype=weight_dtype,
-        value_dtype=np.dtype(q.values.dtype),
-        tile=q.tile,
-        int_exponent=q.int_exponent,
-        weight_scale_format=scale_format,
+        weight_dtype=f.weight_dtype,
+        value_dtype=np.dtype(f.q.values.dtype),
+        tile=f.q.tile,
+        int_exponent=f.q.int_exponent,
+        weight_scale_format=f.scale_format,
         layer=layer,
-        packed_length=packed_length(q.values),
+        packed_length=packed_length(f.q.values),
         per_group_tokens=rg.per_group_tokens,
     )
-    values = eqx.filter_jit(encode)(q.values)
+    values = eqx.filter_jit(encode)(f.q.values)
     axes = tuple(batch) + tuple(own)
     if ragged.packed_length is not None:
         axes = axes[:-1] + (axes[-1].resize(values.shape[-1]),)
