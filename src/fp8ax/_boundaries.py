@@ -29,7 +29,7 @@
 # runs inside those rules whatever JAX has cached: the vmap rule of the state conversions
 # (`_maxgrad.py`), which JAX runs when it batches a branch that rebuilds or flattens a
 # layer, and whose "refusing" twin raises only if the step is differentiated; and the
-# transposes of the conversions and the custom VJP's backward pass (`_pipeline._bwd`) for
+# transposes of the conversions and the custom VJP's backward pass (`_gemm.dense._bwd`) for
 # `shard_map`. A check is a walk of the stack, made only in those rules (a conversion
 # batched under `vmap`, a backward pass being transposed), never on a plain step.
 #

@@ -7,7 +7,7 @@
 # closed over by `lax.scan`, a layer under `vmap` with a batched input). Adding two
 # "new states" is meaningless: it doubles amaxes and scales. What we want is the state
 # that one merged observation would give, and for amax histories and scales that is the
-# elementwise maximum (see `_dot_general.py`: every per-use new state is monotone in the
+# elementwise maximum (see `_model/dot_general.py`: every per-use new state is monotone in the
 # use's amax, and all uses see the same old state).
 #
 # JAX picks the accumulation by dtype. For ordinary dtypes it is `+`; for an *extended*
@@ -230,7 +230,7 @@ def _refuse(*_):
 
 def _transpose(prim_of_ct):
     def rule(ct, x):
-        # The one place besides `_pipeline._bwd` that runs while JAX transposes a
+        # The one place besides `_gemm.dense._bwd` that runs while JAX transposes a
         # `shard_map`: where a state rebuilt inside the body is converted.
         if _boundaries.in_unchecked_shard_map_transpose():
             raise ValueError(_boundaries.UNCHECKED_SHARD_MAP)

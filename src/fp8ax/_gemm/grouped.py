@@ -8,7 +8,7 @@
 # contracts the tokens of each group: (M, K) x (M, N) -> (G, K, N).
 #
 # Each operand is quantised by the layer's recipe, along the axes its GEMM contracts, as
-# in `_pipeline.py` (the same `quantize_operands`, plans, state and max-merged state
+# in `dense.py` (the same `quantize_operands`, plans, state and max-merged state
 # cotangents), so every recipe works here. The expert weights are quantised either as one
 # tensor, or per expert (`per_expert_weights`: each expert's weight is a tensor of its
 # own, with a state of its own, by `vmap` of the recipe over the experts). Where both
@@ -230,7 +230,7 @@ def _slice0(state):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def ragged_quantized_dot(rc: RaggedCall, lhs, rhs, group_sizes, *state) -> Array:
     """`jax.lax.ragged_dot(lhs, rhs, group_sizes)` on quantised operands; `state` as for
-    `_pipeline.quantized_dot` (the rhs state with a leading expert axis if `rc.per_expert`).
+    `dense.quantized_dot` (the rhs state with a leading expert axis if `rc.per_expert`).
     The VJP returns the new state as the state's cotangent."""
     return _fwd(rc, lhs, rhs, group_sizes, *state)[0]
 
@@ -277,7 +277,7 @@ def _operand(rc: RaggedCall, role: str, res, axes, key=None):
 
 
 def _backward_precision(precision, qa, qb):
-    # As `_pipeline._gemm_fn`: full-precision accumulation for two FP8 operands.
+    # As `dense._gemm_fn`: full-precision accumulation for two FP8 operands.
     if precision in (None, lax.Precision.DEFAULT) and qa is not None and qb is not None:
         if _is_fp8(qa.values.dtype) and _is_fp8(qb.values.dtype):
             return lax.Precision.HIGHEST

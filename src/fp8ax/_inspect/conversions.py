@@ -1,5 +1,5 @@
 # What `fp8_linear_layers` converts, skips and cannot convert, as a table. The decisions
-# come from `_transform.decide`, the rule the transform itself follows.
+# come from `_model.transform.decide`, the rule the transform itself follows.
 
 import dataclasses
 from typing import Any, Literal

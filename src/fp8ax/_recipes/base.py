@@ -3,7 +3,7 @@
 # Every recipe quantises one operand of a GEMM, for a role (forward operand or output
 # gradient: the recipe's `fwd_dtype` or `grad_dtype`) and the axes that GEMM contracts,
 # into a `QuantizedArray` whose scale has a declared layout. A stateful recipe reads its
-# state and returns the new one; the GEMM pipeline (`_pipeline.py`) is the same for all.
+# state and returns the new one; the GEMM pipeline (`_gemm/`) is the same for all.
 # The pipeline hands a recipe the operands of one call together (`plan`, then
 # `quantize_operands`), so that a recipe can compute once per call what it would
 # otherwise compute per operand: delayed scaling stacks the operands' states and reduces
