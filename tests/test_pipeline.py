@@ -135,7 +135,8 @@ def test_every_recipe_declares_its_scale_layout(recipe, getkey):
     x = jax.random.normal(getkey(), (6, 8))
     state = recipe.init_state()
     raw = None if state is None else (state.scale, state.amax_history)
-    q, new = recipe.quantize_operand(x, (1,), recipe.fwd_dtype, state=raw)
+    # What the pipeline calls: the operands of a call, each with its role.
+    ((q, new),) = recipe.quantize_operands([fp8ax.Operand(x, (1,), recipe.fwd_dtype, raw, role="lhs")])
     assert q.layout == recipe.scale_layout
     assert (new is None) == (not recipe.stateful)
 

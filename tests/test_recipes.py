@@ -352,3 +352,18 @@ def test_overriding_stochastic_instead_of_rounding_seed_is_an_error():
 
     with pytest.raises(TypeError, match="overrides `stochastic`; define `rounding_seed"):
         _Old(True)
+
+
+def test_a_stateless_recipe_quantises_by_role():
+    # Its one method is `quantize_role`; the stateful entry point and a role-less operand
+    # are refused with the call to make instead (no format is read back into a role).
+    x = jnp.ones((4, 8))
+    recipe = fp8ax.MXScaling(4, "e4m3", "e5m2")
+    with pytest.raises(TypeError, match="quantises by role: call `quantize_role"):
+        recipe.quantize_operand(x, (1,), recipe.fwd_dtype)
+    with pytest.raises(ValueError, match="`Operand.role` must be 'lhs', 'rhs' or 'grad'"):
+        recipe.quantize_operands([fp8ax.Operand(x, (1,), recipe.grad_dtype)])
+    # Told the role, MX picks the gradient's element type from it.
+    ((q, _),) = recipe.quantize_operands([fp8ax.Operand(x, (1,), recipe.grad_dtype, role="grad")])
+    assert q.values.dtype == jnp.float8_e5m2
+    assert recipe.quantize_role(x, (1,), "lhs").values.dtype == jnp.float8_e4m3fn
