@@ -58,8 +58,8 @@ def vma(x) -> frozenset:
 def _codes(module, *names):
     """The code objects of the functions `names` of `module` that exist (JAX renames them
     between releases: jax 0.12 calls the shard_map transpose `_shard_map_transpose_fancy`)."""
-    fns = (getattr(module, name, None) for name in names)
-    return tuple(fn.__code__ for fn in fns if hasattr(fn, "__code__"))
+    codes = (getattr(getattr(module, name, None), "__code__", None) for name in names)
+    return tuple(code for code in codes if code is not None)
 
 
 _COND_BATCHING = _codes(_conditionals, "_cond_batching_rule")

@@ -9,7 +9,7 @@
 # layer, and the error says what to call.
 
 import pathlib
-from typing import BinaryIO, TypeVar
+from typing import BinaryIO, TypeVar, cast
 
 import equinox as eqx
 import jax
@@ -52,7 +52,7 @@ def _records(f: BinaryIO) -> list[tuple[tuple[int, ...], str]]:
 
 def _descr(dtype: np.dtype) -> str:
     # numpy writes bfloat16 and the 8-bit floats as raw bytes ("|V2", "|V1").
-    descr = np.lib.format.dtype_to_descr(dtype)
+    descr = cast(str, np.lib.format.dtype_to_descr(dtype))  # (a list only for a structured dtype: no array leaf's)
     return "V" + descr[2:] if descr[:2] in ("<V", "|V", ">V") else descr
 
 
@@ -85,8 +85,9 @@ def _kind_of_layer(layer) -> str:
 
 def _state_ndims(layer) -> tuple:
     """`(entry_ndims,)` of the template layer's state type, or `()` if it has none."""
-    if _kind_of_layer(layer) == "fp8":
-        return (type(fp8_op(layer).lhs).entry_ndims,)
+    op = None if is_serving_layer(layer) else fp8_op(layer)
+    if op is not None and op.lhs is not None:  # an "fp8" layer (`_kind_of_layer`)
+        return (type(op.lhs).entry_ndims,)
     return ()
 
 

@@ -1,4 +1,5 @@
 import functools
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +41,7 @@ def fp8_max(dtype: np.dtype) -> float:
     return float(jnp.finfo(dtype).max)
 
 
-def quantize(x: ArrayLike, scale: ArrayLike, dtype: np.dtype, *, inv: ArrayLike | None = None) -> Array:
+def quantize(x: ArrayLike, scale: ArrayLike | None, dtype: np.dtype, *, inv: ArrayLike | None = None) -> Array:
     """`clip(x / scale, -max, max)` rounded to nearest-even in `dtype`.
 
     The division is computed as `x * (1 / scale)`, both in float32 whatever `x`'s dtype:
@@ -52,7 +53,8 @@ def quantize(x: ArrayLike, scale: ArrayLike, dtype: np.dtype, *, inv: ArrayLike 
     plausible number.
 
     `inv`, when given, is `reciprocal(scale)` computed by the caller (where it is cheaper
-    to compute beside the scale); the result is the same.
+    to compute beside the scale); the result is the same. `scale` is not read then (it
+    may be None).
     """
     return lax.convert_element_type(scale_and_clip(x, scale, dtype, inv=inv), dtype)
 
@@ -79,11 +81,11 @@ def reciprocal(scale: ArrayLike) -> Array:
     return lax.div(np.float32(1.0), _as_f32(scale))
 
 
-def scale_and_clip(x: ArrayLike, scale: ArrayLike, dtype: np.dtype, *, inv: ArrayLike | None = None) -> Array:
+def scale_and_clip(x: ArrayLike, scale: ArrayLike | None, dtype: np.dtype, *, inv: ArrayLike | None = None) -> Array:
     """The float32 values `quantize` rounds: `x * (1 / scale)` clipped to the format's
     range, NaN where `x` is not finite. Shared with the stochastic rounding path."""
     bound = fp8_max(dtype)
-    inv = reciprocal(scale) if inv is None else _as_f32(inv)
+    inv = reciprocal(cast(ArrayLike, scale)) if inv is None else _as_f32(inv)  # (`scale` is None only beside `inv`)
     xf = _as_f32(x)
     clipped = lax.clamp(np.float32(-bound), lax.mul(xf, broadcast(inv, xf.shape)), np.float32(bound))
     # Finite values saturate; a non-finite one becomes NaN: `xf - xf` is 0 where `xf` is

@@ -27,10 +27,13 @@ import sys
 import warnings
 from importlib.metadata import PackageNotFoundError, version as _version
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import jax
 import jax.numpy as jnp
+
+if TYPE_CHECKING:
+    import haliax.nn
 
 # fp8ax's `OverwriteWithGradient` (`_state` adds it at import; the door sits below it).
 _OVERWRITE_CLASSES: list[type] = []
@@ -97,7 +100,7 @@ def is_linear(x: Any) -> bool:
     return loaded() and isinstance(x, hnn().Linear)
 
 
-def is_moe_linear(x: Any) -> bool:
+def is_moe_linear(x: Any) -> "TypeGuard[haliax.nn.MoELinear]":
     """Whether `x` is a `haliax.nn.MoELinear`."""
     return loaded() and isinstance(x, hnn().MoELinear)
 

@@ -36,6 +36,7 @@
 # pyproject.toml. The rules below are the ones jax 0.10 through 0.12 call; `_rules`
 # attributes that JAX no longer reads are left out on purpose.
 
+import builtins
 import dataclasses
 
 import jax
@@ -141,7 +142,7 @@ class maxf32(_dtypes.extended):
 @dataclasses.dataclass(frozen=True)
 class _MaxF32DType(_dtypes.ExtendedDType):
     _rules: type = _MaxF32Rules
-    type: type = maxf32
+    type: builtins.type = maxf32  # (`builtins.`: the field's own name shadows `type` here)
 
     @property
     def name(self) -> str:

@@ -22,8 +22,9 @@ from jaxtyping import Array, ArrayLike
 MX_ELEMENT_TYPES: dict[str, np.dtype] = {
     "e4m3": np.dtype(jnp.float8_e4m3fn),
     "e5m2": np.dtype(jnp.float8_e5m2),
-    "e2m3": np.dtype(jnp.float6_e2m3fn),
-    "e3m2": np.dtype(jnp.float6_e3m2fn),
+    # (jax.numpy exports the FP6 types at run time; its type stub does not declare them.)
+    "e2m3": np.dtype(jnp.float6_e2m3fn),  # pyright: ignore[reportAttributeAccessIssue]
+    "e3m2": np.dtype(jnp.float6_e3m2fn),  # pyright: ignore[reportAttributeAccessIssue]
     "e2m1": np.dtype(jnp.float4_e2m1fn),
     "int8": np.dtype(jnp.int8),
 }

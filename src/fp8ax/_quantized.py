@@ -147,8 +147,8 @@ class QuantizedArray(eqx.Module):
     @property
     def block_size(self) -> int | None:
         """The block size of one-axis blocks (MX), or None."""
-        axis = self.block_axis
-        return None if axis is None else self.tile[axis]
+        axis, tile = self.block_axis, self.tile  # (a block axis is one of `tile`'s)
+        return None if axis is None or tile is None else tile[axis]
 
     def _tiled_axes(self) -> tuple[int, ...]:
         if self.tile is None:

@@ -60,7 +60,7 @@ def _untrained(module):
     return jtu.tree_map(lambda v: jnp.zeros_like(v) if eqx.is_array(v) else None, module)
 
 
-def apply_updates(model: T, updates: T, overwrite: T) -> T:
+def apply_updates(model: T, updates: T | None, overwrite: T | None) -> T:
     """Applies optimiser updates to the parameters and writes the new FP8 state.
 
     A `jax.tree_util.tree_map`-broadcasted version of
@@ -260,9 +260,8 @@ def skip_fp8_state(optimizer: optax.GradientTransformation) -> optax.GradientTra
         )
 
     def parameters(tree):
-        # The tree with None in place of each FP8 module (and of anything not an array).
-        if tree is None:
-            return None
+        # The tree with None in place of each FP8 module (and of anything not an array);
+        # None stays None (a pytree without leaves).
         return eqx.filter(jtu.tree_map(lambda x: None if is_owg(x) else x, tree, is_leaf=is_owg), eqx.is_array)
 
     def init_fn(params):

@@ -36,5 +36,6 @@ from .settings import (
     GemmSettings as GemmSettings,
     Mode as Mode,
     SettingsView as SettingsView,
+    quantising_recipe as quantising_recipe,
     settings_from as settings_from,
 )

@@ -17,6 +17,7 @@
 
 import functools
 import warnings
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -48,6 +49,7 @@ from .operands import (
     quantise,
     reduce_to,
 )
+from .settings import Role, quantising_recipe
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -110,7 +112,11 @@ def _bwd(call: Call, residuals, g):
     shared_g, new_g = None, None
     if _grad_once(call):
         shared_g, new_g = quantise(call, "grad", g, lay.g_rfree, g_state, plan=g_plan)
-    g_planned = g_plan is not None and shared_g is not None and (shared_g.scale is grad_recipe.planned_scale(g_plan))
+    g_planned = (
+        g_plan is not None
+        and shared_g is not None
+        and (shared_g.scale is quantising_recipe(st, "grad").planned_scale(g_plan))
+    )
     if not g_planned:
         dlhs_scale = drhs_scale = None
 
@@ -137,14 +143,17 @@ def _bwd(call: Call, residuals, g):
     drhs = reduce_to(drhs, call.rhs_vma, lax.psum)
     if not call.state_is_max:
         return dlhs, drhs
-    new = [v for pair in (new_l, new_r, new_g) for v in pair]
+    # With state, each operand was quantised with its state (the gradient once, shared by
+    # both GEMMs), so all three new states are set.
+    new_states = cast(tuple[tuple, tuple, tuple], (new_l, new_r, new_g))
+    new = [v for pair in new_states for v in pair]
     cts = tuple(
         raw_to_max(v.astype(jnp.float32)) if m else v.astype(jnp.float32) for v, m in zip(new, call.state_is_max)
     )
     return (dlhs, drhs, *cts)
 
 
-def _operand(call: Call, role: str, res, axes, key=None):
+def _operand(call: Call, role: Role, res, axes, key=None):
     """A backward GEMM's operand: the forward's FP8 copy, or quantised along `axes`."""
     if isinstance(res, QuantizedArray):
         return res, res.values
@@ -202,7 +211,7 @@ def _rotate(x, axes, rotation):
     blocks = moved.reshape(lead + (-1, n)).astype(jnp.float32)
     out = jnp.einsum("...k,jk->...j", blocks, rotation, precision=lax.Precision.HIGHEST)
     out = out.reshape(moved.shape).astype(x.dtype)
-    return jnp.transpose(out, np.argsort(rest + list(axes)))
+    return jnp.transpose(out, np.argsort(rest + list(axes)).tolist())
 
 
 def _rotated_for_drhs(call: Call, res_l, g, shared_g, l_axes, g_axes):

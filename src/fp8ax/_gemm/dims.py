@@ -107,7 +107,7 @@ def oriented_gemm(gemm, a_contract, b_contract, a_batch, b_batch, layout_ab, lay
     else:
         out = gemm(False, ((a_contract, b_contract), (a_batch, b_batch)))
         layout = layout_ab
-    return out if in_order(layout) else jnp.transpose(out, np.argsort(layout))
+    return out if in_order(layout) else jnp.transpose(out, np.argsort(layout).tolist())
 
 
 def _scale_layout(

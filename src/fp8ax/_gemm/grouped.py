@@ -21,7 +21,7 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +52,7 @@ from .operands import (
     quantise,
     reduce_to,
 )
+from .settings import Role, quantising_recipe
 
 # The three ragged dots, as `jax.lax.RaggedDotDimensionNumbers`.
 _RAGGED_DIMS = {
@@ -162,7 +163,7 @@ def quantise_weights(rc: RaggedCall, w, axes, state, plan, group_sizes=None):
     if not rc.per_expert:
         return quantise(rc.call, "rhs", w, axes, state, plan=plan)
     call = rc.call
-    recipe = call.settings.operand_recipe("rhs")
+    recipe = quantising_recipe(call.settings, "rhs")
     inner = tuple(a - 1 for a in axes)
 
     def one(wg, sg, used):
@@ -189,7 +190,7 @@ def quantise_weights(rc: RaggedCall, w, axes, state, plan, group_sizes=None):
     return QuantizedArray(values, scale, tile, layout.int_exponent), new
 
 
-def quantise_tokens(rc: RaggedCall, role: str, x, axes, state, plan, group_sizes, key=None):
+def quantise_tokens(rc: RaggedCall, role: Role, x, axes, state, plan, group_sizes, key=None):
     """Tokens (`"lhs"`, (M, K)) or output gradients (`"grad"`, (M, N)) quantised along
     `axes`, and their new state: as one tensor, or (`rc.per_group`) the rows of
     each group as a tensor of their own, with their own scale and entry of the state.
@@ -200,7 +201,7 @@ def quantise_tokens(rc: RaggedCall, role: str, x, axes, state, plan, group_sizes
     if not rc.per_group:
         return quantise(rc.call, role, x, axes, state, key=key, plan=plan)
     call = rc.call
-    recipe = call.settings.operand_recipe(role)
+    recipe = quantising_recipe(call.settings, role)
     rows = jnp.arange(x.shape[0], dtype=group_sizes.dtype)
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
@@ -267,7 +268,7 @@ def _fwd(rc: RaggedCall, lhs, rhs, group_sizes, *raw):
     return out, (res_l, res_r, group_sizes, new_l, new_r, states["grad"], plans["grad"])
 
 
-def _operand(rc: RaggedCall, role: str, res, axes, key=None):
+def _operand(rc: RaggedCall, role: Role, res, axes, key=None):
     """A backward GEMM's operand: the forward's quantised copy, or quantised along `axes`."""
     if isinstance(res, QuantizedArray):
         return res, None
@@ -347,7 +348,10 @@ def _bwd(rc: RaggedCall, residuals, g):
     drhs = reduce_to(drhs, call.rhs_vma, lax.psum)
     if not call.state_is_max:
         return dlhs, drhs, None
-    new = [v for pair in (new_l, new_r, new_g) for v in pair]
+    # With state, each operand was quantised with its state (the gradient once, shared by
+    # both GEMMs), so all three new states are set.
+    new_states = cast(tuple[tuple, tuple, tuple], (new_l, new_r, new_g))
+    new = [v for pair in new_states for v in pair]
     cts = tuple(
         raw_to_max(v.astype(jnp.float32)) if m else v.astype(jnp.float32) for v, m in zip(new, call.state_is_max)
     )

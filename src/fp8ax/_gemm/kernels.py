@@ -198,8 +198,8 @@ def run_gemm(call: Call, qa, a, qb, b, dims, precision, out_dtype, scale=None):
         if pair is not None:
             # The kernel's computation: low-precision values, wide accumulation, then the
             # scales (one scalar multiply for two tensor-wise scales).
-            emulated = emulate is not None and pair == "float32"  # the emulation replaces the GEMM
-            if pair == "float32" and not emulated and _epilogue_dtype(qa, qb, out_dtype):
+            emulated = emulate if pair == "float32" else None  # the emulation replaces the GEMM
+            if pair == "float32" and emulated is None and _epilogue_dtype(qa, qb, out_dtype):
                 # A 16-bit layer: the GEMM writes its dtype and the scales multiply that, one
                 # scalar in the same dtype. XLA:GPU folds the multiply (and the dtype) into
                 # the FP8 GEMM's epilogue, on the cuBLASLt and the Triton path alike, so no
@@ -213,8 +213,8 @@ def run_gemm(call: Call, qa, a, qb, b, dims, precision, out_dtype, scale=None):
                     scale = lax.mul(_f32(qa.scale), _f32(qb.scale))
                 scale = lax.convert_element_type(scale, out_dtype)
                 return lax.mul(out, lax.broadcast_in_dim(scale, out.shape, ()))
-            if emulated:
-                acc = emulate(qa.values, qb.values, dims)
+            if emulated is not None:
+                acc = emulated(qa.values, qb.values, dims)
             else:
                 acc_dtype = jnp.int32 if pair == "int32" else jnp.float32
                 acc = lax.dot_general(qa.values, qb.values, dims, precision=precision, preferred_element_type=acc_dtype)
@@ -225,7 +225,7 @@ def run_gemm(call: Call, qa, a, qb, b, dims, precision, out_dtype, scale=None):
     # Two-level scales (NVFP4): the inner dequantisation (FP4 values times E4M3 scales)
     # is exact, and the per-tensor outer scales multiply the GEMM's result.
     outer = _outer_product(qa, qb)
-    if emulate is not None:
+    if emulate is not None and qa is not None and qb is not None:  # (both are, when `emulate` is)
         # Block formats: the values times their block scales, exact in float32.
         out = emulate(qa.dequantize(np.float32, outer=False), qb.dequantize(np.float32, outer=False), dims)
         return _times_outer(out, outer).astype(out_dtype)

@@ -3,7 +3,7 @@
 # handed in and out, and the checks on what a recipe returns. The dense and the grouped
 # GEMMs (and serving) quantise through these.
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,9 +16,9 @@ from .._maxgrad import as_f32, merged_amax
 from .._quantized import QuantizedArray
 from .._recipes import Operand
 from .._rounding import content_key
-from .settings import GemmSettings
+from .settings import GemmSettings, Role, quantising_recipe
 
-ROLES = ("lhs", "rhs", "grad")
+ROLES: tuple[Role, ...] = ("lhs", "rhs", "grad")
 
 
 class Call(NamedTuple):
@@ -73,12 +73,12 @@ def _lay_out_by_axis_mapping(q, axes: tuple[str, ...] | None):
     return lax.bitcast_convert_type(hax.shard(named).array, q.dtype)
 
 
-def _operand_for(call: Call, role: str, x, axes, state=None, key=None, plan=None):
+def _operand_for(call: Call, role: Role, x, axes, state=None, key=None, plan=None):
     merge = _merge_for(state[0]) if state is not None else (lambda v: v)
     return Operand(x, tuple(axes), _role_dtype(call, role), state, key, merge, plan, role)
 
 
-def quantise(call: Call, role: str, x, axes, state=None, key=None, plan=None):
+def quantise(call: Call, role: Role, x, axes, state=None, key=None, plan=None):
     """Operand `role` quantised along `axes` (contracted), and its new state. `(None,
     None)` if the settings keep that operand in high precision."""
     return _quantise_together(call, [(role, x, axes, state, key, plan)])[0]
@@ -88,7 +88,7 @@ def _quantise_together(call: Call, items) -> list:
     """`quantise` of several `(role, x, axes, state, key, plan)` of one call, each
     recipe quantising its operands in one `quantize_operands` (so that delayed scaling
     decides once whether they calibrate)."""
-    out = [(None, None)] * len(items)
+    out: list[Any] = [(None, None)] * len(items)
     for recipe, idx in _by_recipe(call, [item[0] for item in items]):
         ops = [_operand_for(call, *items[i]) for i in idx]
         for i, op, result in zip(idx, ops, recipe.quantize_operands(ops)):
@@ -153,7 +153,7 @@ def _grad_once(call: Call) -> bool:
 
 
 # The three GEMMs of a call: (name, its operands in order, the dtype it writes).
-def _gemms(call: Call):
+def _gemms(call: Call) -> tuple[tuple[str, Role, Role, np.dtype], ...]:
     return (
         ("fwd", "lhs", "rhs", call.out_dtype),
         ("dlhs", "grad", "rhs", call.lhs_dtype),
@@ -161,14 +161,14 @@ def _gemms(call: Call):
     )
 
 
-def _role_dtype(call: Call, role: str) -> np.dtype:
-    return call.settings.operand_recipe(role).dtype_for(role)
+def _role_dtype(call: Call, role: Role) -> np.dtype:
+    return quantising_recipe(call.settings, role).dtype_for(role)
 
 
 def _planned_scales(call: Call, plans: dict) -> dict:
     """Each role's planned scale (`AbstractScalingRecipe.planned_scale`), None where
     the role has no plan or its recipe plans no scale."""
-    return {r: None if plans[r] is None else call.settings.operand_recipe(r).planned_scale(plans[r]) for r in ROLES}
+    return {r: None if plans[r] is None else quantising_recipe(call.settings, r).planned_scale(plans[r]) for r in ROLES}
 
 
 def _is_fp8(dtype) -> bool:
@@ -212,7 +212,7 @@ def _plans(call: Call, states: dict) -> tuple[dict, dict]:
     return lax.optimization_barrier((plans, products))
 
 
-def _epilogue_scaled(call: Call, name: str, a: str, b: str, out_dtype) -> bool:
+def _epilogue_scaled(call: Call, name: str, a: Role, b: Role, out_dtype) -> bool:
     """Whether GEMM `name` runs on two FP8 operands with tensor-wise scales and puts
     their product into its epilogue (`run_gemm`'s first branch), as far as the settings
     tell; `run_gemm` checks the operands themselves."""
@@ -222,10 +222,9 @@ def _epilogue_scaled(call: Call, name: str, a: str, b: str, out_dtype) -> bool:
     return _is_fp8(_role_dtype(call, a)) and _is_fp8(_role_dtype(call, b)) and _is_16_bit_float(out_dtype)
 
 
-def _reusable(call: Call, role: str, q) -> bool:
+def _reusable(call: Call, role: Role, q) -> bool:
     """Whether a forward-quantised operand serves the backward GEMM too."""
-    recipe = call.settings.operand_recipe(role)
-    return q is not None and recipe.contraction_independent(role)
+    return q is not None and quantising_recipe(call.settings, role).contraction_independent(role)
 
 
 def _plainly_scaled(q) -> bool:

@@ -2,8 +2,8 @@
 # single static field of `Fp8DotGeneral`, passed whole into the GEMM pipeline.
 
 import dataclasses
-from collections.abc import Sequence
-from typing import Any, Literal, TypedDict
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, TypedDict, cast
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -67,7 +67,7 @@ def _check_recipe(recipe) -> AbstractScalingRecipe:
     return recipe
 
 
-def _check_mode(mode) -> str:
+def _check_mode(mode) -> Mode:
     if mode not in MODES:
         raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}.")
     return mode
@@ -227,6 +227,12 @@ class GemmSettings(eqx.Module):
         return self.recipe.stateful
 
 
+def quantising_recipe(settings: GemmSettings, role: Role) -> AbstractScalingRecipe:
+    """`settings.operand_recipe(role)` where the caller knows that operand is quantised
+    (it has a plan, a state or a quantised form, or the caller checked): never None."""
+    return cast(AbstractScalingRecipe, settings.operand_recipe(role))
+
+
 # The names of GemmSettings' fields.
 SETTINGS_FIELDS = tuple(f.name for f in dataclasses.fields(GemmSettings))
 
@@ -279,7 +285,9 @@ class GemmKeywords(TypedDict, total=False):
 GEMM_KEYWORDS = tuple(GemmKeywords.__annotations__)
 
 
-def settings_from(owner: str, recipe, mode, settings, gemm: dict, *, allowed=GEMM_KEYWORDS) -> GemmSettings:
+def settings_from(
+    owner: str, recipe, mode, settings, gemm: Mapping[str, Any], *, allowed=GEMM_KEYWORDS
+) -> GemmSettings:
     """The `GemmSettings` a call of `owner` asks for: `settings` as given, or built from
     `recipe`, `mode` and the keyword arguments `gemm` (names from `allowed`), not both."""
     unknown = sorted(set(gemm) - set(allowed))

@@ -312,14 +312,13 @@ def _compiled_gemms(text: str, lowered: tuple[Gemm, ...]) -> tuple[Gemm, ...]:
     for line in text.splitlines():
         for m in _HLO_DOT.finditer(line):
             kind, operands, rest = m.groups()
-            target = re.search(r'custom_call_target="([^"]+)"', rest)
-            if kind == "custom-call" and (
-                not target or not re.search(r"gemm|matmul|cublas", target.group(1), re.IGNORECASE)
-            ):
+            found = re.search(r'custom_call_target="([^"]+)"', rest)
+            target = found.group(1) if found else ""  # (never empty when found)
+            if kind == "custom-call" and not re.search(r"gemm|matmul|cublas", target, re.IGNORECASE):
                 continue
             lhs, rhs = (_operand_types(operands, types) + ["", ""])[:2]
             if kind == "custom-call":
-                fp8 = "f8" in target.group(1)
+                fp8 = "f8" in target
             else:
                 fp8 = bool(_FP8_TYPE.match(lhs) and _FP8_TYPE.match(rhs))
             d = _HLO_DEF.match(line)

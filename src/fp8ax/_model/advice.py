@@ -22,7 +22,8 @@ def _platform() -> str:
 
 
 def _cache_dir():
-    return jax.config.jax_compilation_cache_dir
+    # A config state JAX sets on `Config` at run time; its type stubs do not declare it.
+    return jax.config.jax_compilation_cache_dir  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def advise_gpu_compile() -> None:

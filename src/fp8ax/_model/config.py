@@ -12,6 +12,9 @@ from .dot_general import Fp8DotGeneral
 from .ragged_dot import Fp8RaggedDot
 
 Targets = None | str | Sequence[str] | Callable[[str, Any], bool]
+# `targets` once checked: a string compiled, a list of names made a tuple (a callable's
+# result is read as a bool).
+CheckedTargets = None | re.Pattern[str] | tuple[str, ...] | Callable[[str, Any], object]
 
 
 class Fp8Config(SettingsView):
@@ -23,7 +26,7 @@ class Fp8Config(SettingsView):
     can be read on the config too (`config.recipe`, `config.mode`, ...).
     """
 
-    targets: Targets = eqx.field(static=True)
+    targets: CheckedTargets = eqx.field(static=True)
     min_features: int = eqx.field(static=True)
     fp8_all_gather: bool = eqx.field(static=True)
     settings: GemmSettings = eqx.field(static=True)
@@ -144,7 +147,7 @@ class Fp8Config(SettingsView):
         )
 
 
-def _check_targets(targets):
+def _check_targets(targets) -> CheckedTargets:
     if targets is None or callable(targets) and not isinstance(targets, str | re.Pattern):
         return targets
     if isinstance(targets, re.Pattern):

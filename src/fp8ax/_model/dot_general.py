@@ -1,8 +1,9 @@
 import functools
-from typing import Unpack
+from typing import Unpack, cast
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -112,8 +113,8 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
         """
         settings = settings_from("Fp8DotGeneral.init", recipe, mode, settings, gemm)
         batch_shape = tuple(int(b) for b in batch_shape)
-        states = [settings.recipe.init_state(batch_shape) for _ in range(3)]
-        return cls(*states, settings)
+        lhs, rhs, grad = (settings.recipe.init_state(batch_shape) for _ in range(3))
+        return cls(lhs, rhs, grad, settings)
 
     @jax.named_scope("fp8ax.Fp8DotGeneral")
     def __call__(
@@ -230,11 +231,11 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
         # Used by `apply_updates`: take the new state of every layer the step used.
         if self.lhs is None:  # a stateless recipe: nothing to write
             return self
-        states = (
-            self.lhs._overwritten_by(new.lhs),
-            self.rhs._overwritten_by(new.rhs),
-            self.grad._overwritten_by(new.grad),
-        )
+        # A stateful op holds its three states together (`init` makes them so); a `new`
+        # without them is refused by `AbstractState._overwritten_by`.
+        old = cast(tuple[AbstractState, ...], (self.lhs, self.rhs, self.grad))
+        written = cast(tuple[AbstractState, ...], (new.lhs, new.rhs, new.grad))
+        states = tuple(o._overwritten_by(n) for o, n in zip(old, written))
         return eqx.tree_at(
             lambda m: (m.lhs, m.rhs, m.grad), self, states, is_leaf=lambda x: isinstance(x, AbstractState)
         )

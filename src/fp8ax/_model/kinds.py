@@ -70,7 +70,7 @@ def _is_haliax_layer(layer) -> bool:
     return isinstance(layer, Fp8MoELinear) or _haliax.is_linear(layer) or _haliax.is_moe_linear(layer)
 
 
-def haliax_batch_shape(layer: hnn.Linear) -> tuple[int, ...]:
+def haliax_batch_shape(layer: hnn.Linear | hnn.MoELinear | Fp8MoELinear) -> tuple[int, ...]:
     # Axes of the weight that are neither In nor Out (nor a mixture of experts' Experts):
     # the Block axes added by `haliax.nn.Stacked` (or an ensemble axis): one FP8 state per
     # stacked layer.

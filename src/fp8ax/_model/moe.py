@@ -41,16 +41,11 @@ class Fp8MoELinear(eqx.Module):
     def from_moe_linear(cls, layer: hnn.MoELinear, make_ragged) -> Fp8MoELinear:
         """`layer` with an FP8 grouped GEMM; `make_ragged(batch_shape, num_experts)`
         builds the [`fp8ax.Fp8RaggedDot`][]."""
-        for name in ("Experts", "In", "Out"):
-            if not _haliax.is_axis(getattr(layer, name)):
-                raise TypeError(
-                    f"fp8ax converts `haliax.nn.MoELinear` layers whose `{name}` is one axis, got "
-                    f"{getattr(layer, name)!r}."
-                )
-        own = {layer.Experts.name, layer.In.name, layer.Out.name}
+        experts, in_axis, out_axis = (_one_axis(layer, name) for name in ("Experts", "In", "Out"))
+        own = {experts.name, in_axis.name, out_axis.name}
         batch_shape = tuple(ax.size for ax in layer.weight.axes if ax.name not in own)
-        ragged = make_ragged(batch_shape, layer.Experts.size)
-        return cls(layer.weight, layer.bias, ragged, layer.Experts, layer.In, layer.Out, layer.use_gmm)
+        ragged = make_ragged(batch_shape, experts.size)
+        return cls(layer.weight, layer.bias, ragged, experts, in_axis, out_axis, layer.use_gmm)
 
     def to_moe_linear(self) -> hnn.MoELinear:
         """The plain `haliax.nn.MoELinear` with the same weights (the FP8 state dropped)."""
@@ -86,3 +81,11 @@ def moe_call(layer, inputs: hax.NamedArray, group_sizes: hax.NamedArray, grouped
     if layer.bias is not None:
         q = q + layer.bias
     return hax.auto_sharded(q)
+
+
+def _one_axis(layer: hnn.MoELinear, name: str) -> hax.Axis:
+    """`layer.<name>` (`Experts`, `In`, `Out`), which fp8ax converts only as one axis."""
+    axis = getattr(layer, name)
+    if not _haliax.is_axis(axis):
+        raise TypeError(f"fp8ax converts `haliax.nn.MoELinear` layers whose `{name}` is one axis, got {axis!r}.")
+    return axis

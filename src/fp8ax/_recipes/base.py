@@ -10,11 +10,11 @@
 # their histories together.
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import equinox as eqx
 import numpy as np
-from jaxtyping import Array
+from jaxtyping import Array, ArrayLike
 
 from .. import _formats
 from .._quantized import QuantizedArray, ScaleLayout
@@ -155,7 +155,7 @@ class AbstractScalingRecipe(eqx.Module):
         del batch_shape
         return None
 
-    def state_observed(self, state: tuple[Array, ...]) -> np.ndarray:
+    def state_observed(self, state: tuple[ArrayLike, ...]) -> np.ndarray:
         """Per stacked layer (a bool array of the state's batch shape): whether the state
         holds an observation, so that its scale comes from data. `fp8ax.to_serving`
         refuses a state that has observed nothing. Concrete arrays only. Stateful recipes
@@ -165,7 +165,7 @@ class AbstractScalingRecipe(eqx.Module):
             "has seen data (a stateless one has no state to ask about)."
         )
 
-    def state_valid(self, state: tuple[Array, ...]) -> np.ndarray:
+    def state_valid(self, state: tuple[ArrayLike, ...]) -> np.ndarray:
         """Per stacked layer: whether the state is one fp8ax's updates can have written (a
         state that went through an optimiser is not). Concrete arrays only. The default
         accepts finite, non-negative arrays."""
@@ -174,10 +174,11 @@ class AbstractScalingRecipe(eqx.Module):
             value = np.asarray(value)
             here = np.all(np.isfinite(value) & (value >= 0), axis=tuple(range(value.ndim - extra, value.ndim)))
             ok = here if ok is None else ok & here
-        return ok
+        return cast(np.ndarray, ok)  # set: a state has at least one field
 
     def _entry_ndims(self) -> tuple[int, ...]:
-        return type(self.init_state()).entry_ndims
+        # Asked of a stateful recipe only, whose `init_state` gives a state.
+        return type(cast(AbstractState, self.init_state())).entry_ndims
 
     def serving_scale(self, state: tuple[Array, ...], dtype: np.dtype) -> Array:
         """The dequantisation scale, frozen from one layer's state (no stacked dimensions),
@@ -189,14 +190,14 @@ class AbstractScalingRecipe(eqx.Module):
             f"{type(self).__name__} does not say how to freeze its state for serving (`serving_scale`)."
         )
 
-    def state_stats(self, state: tuple[Array, ...]) -> dict[str, np.ndarray]:
+    def state_stats(self, state: tuple[ArrayLike, ...]) -> dict[str, np.ndarray]:
         """Named numbers from one operand's state, for [`fp8ax.scaling_stats`][]: each a
         NumPy array of the state's batch shape. Concrete arrays only. The default reports
         nothing."""
         del state
         return {}
 
-    def state_history(self, state: tuple[Array, ...]) -> np.ndarray | None:
+    def state_history(self, state: tuple[ArrayLike, ...]) -> np.ndarray | None:
         """The amaxes the state remembers, newest first (shape `(*batch, n)`), for
         [`fp8ax.plot_amax_history`][]; None (the default) if it remembers none."""
         del state

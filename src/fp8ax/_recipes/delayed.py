@@ -2,6 +2,7 @@
 # operand), and the check that tells a corrupt state from a real one.
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
 import equinox as eqx
@@ -61,13 +62,16 @@ def _fenced(used, inv=None):
     return lax.optimization_barrier((used, inv))
 
 
-def _require_states(states):
-    """DelayedScaling quantises every operand with its `(scale, amax_history)`."""
+def _required_states(states) -> list[Sequence[Array]]:
+    """`states` as a list, checked: DelayedScaling quantises every operand with its
+    `(scale, amax_history)`."""
+    states = list(states)
     for state in states:
         if state is None:
             raise ValueError("`state` is required: DelayedScaling quantises with the state of the operand.")
         if not (isinstance(state, tuple | list) and len(state) == 2):
             raise TypeError(f"`state` must be a `(scale, amax_history)` pair, got {type(state).__name__}.")
+    return states
 
 
 class _Plan(NamedTuple):
@@ -298,13 +302,13 @@ class DelayedScaling(AbstractScalingRecipe):
         # The operands' states are stacked and computed on together (the same float32
         # operations, entry by entry): one reduction over the histories and one scalar
         # kernel for a call's scales on XLA:GPU, instead of two kernels per operand.
-        _require_states(states)
-        if dtypes is not None and len(dtypes) != len(states):
-            raise ValueError(f"`dtypes` must give one format per state ({len(states)}), got {len(dtypes)}.")
-        plans: list[Any] = [None] * len(states)
-        for idx in _groups(states):
-            scales = _formats.stack([states[i][0] for i in idx])
-            histories = _formats.stack([states[i][1] for i in idx], axis=-2)
+        checked = _required_states(states)
+        if dtypes is not None and len(dtypes) != len(checked):
+            raise ValueError(f"`dtypes` must give one format per state ({len(checked)}), got {len(dtypes)}.")
+        plans: list[Any] = [None] * len(checked)
+        for idx in _groups(checked):
+            scales = _formats.stack([checked[i][0] for i in idx])
+            histories = _formats.stack([checked[i][1] for i in idx], axis=-2)
             longest, lowest = _history_bounds(histories)
             used = inv = None
             if dtypes is not None:
@@ -342,14 +346,14 @@ class DelayedScaling(AbstractScalingRecipe):
         # stores it). The price is that the cast depends on the tensor's amax on every
         # step, as in current scaling.
         operands = _as_operands(operands)
-        _require_states([op.state for op in operands])
+        states = _required_states([op.state for op in operands])
         if any(op.plan is None for op in operands):
             plans = self.plan([op.state for op in operands], [op.dtype for op in operands])
             plans = lax.optimization_barrier(plans)  # see `_fenced` (the pipeline does this itself)
             operands = [op._replace(plan=p) for op, p in zip(operands, plans)]
         results = []
-        for op in operands:
-            (scale, history), p = op.state, op.plan
+        for op, (scale, history) in zip(operands, states):  # (`_replace` keeps the order)
+            p = op.plan
             fp8_max = _formats.fp8_max(op.dtype)
             if p.used is not None:
                 used, inv = p.used, p.inv  # planned from the state alone

@@ -11,10 +11,11 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, NamedTuple, TypeVar, cast
 
 import equinox as eqx
 import jax
+import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
@@ -29,6 +30,7 @@ from .._gemm import (
     Call,
     RaggedCall,
     quantise_weights,
+    quantising_recipe,
 )
 from .._model import (
     Fp8DotGeneral,
@@ -126,7 +128,7 @@ def _freeze(layer: str, op: Fp8DotGeneral, w: Array, quantise, n_batch: int, che
     _storable(np.dtype(q.values.dtype), layer)
     input_scale = None
     if delayed:
-        lhs_dtype = st.operand_recipe("lhs").dtype_for("lhs")
+        lhs_dtype = quantising_recipe(st, "lhs").dtype_for("lhs")
 
         def frozen(state):
             return st.recipe.serving_scale(state, lhs_dtype)
@@ -145,7 +147,7 @@ def _convert_gemm(
     """The stored weight (encoded) and the serving dot general of one FP8 GEMM whose
     weight `w` (`n_batch` leading stacked dims) the training forward passes as `rhs`,
     contracting `contracting` (axes of one stacked entry)."""
-    recipe = dg.settings.operand_recipe("rhs")
+    recipe = quantising_recipe(dg.settings, "rhs")  # `_freeze` refuses a weight kept in high precision
 
     def quantise(w, state):
         op = Operand(w, tuple(contracting), recipe.dtype_for("rhs"), state, role="rhs")
@@ -198,7 +200,8 @@ def _convert_haliax(layer: str, lin: hnn.Linear, check: bool) -> ServingHaliaxLi
     in_names = _axis_names(lin.In)
     contracting = tuple(i for i, n in enumerate(names[n_batch:]) if n in in_names)
     stacked = f"the stacked axes {lin.weight.axes[:n_batch]}"
-    weight, dg = _convert_gemm(layer, lin.dot_general, w, contracting, n_batch, check, stacked)
+    op = cast(Fp8DotGeneral, lin.dot_general)  # `_convert` converts a layer with an `Fp8DotGeneral` only
+    weight, dg = _convert_gemm(layer, op, w, contracting, n_batch, check, stacked)
     axes = lin.weight.axes
     if dg.packed_length is not None:  # FP4: two values per byte along the last axis
         axes = axes[:-1] + (axes[-1].resize(weight.shape[-1]),)

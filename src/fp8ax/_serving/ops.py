@@ -27,6 +27,7 @@ from .._gemm import (
     group_ids,
     quantise,
     quantise_tokens,
+    quantising_recipe,
     ragged_gemm,
     ragged_out_dtype,
     run_gemm,
@@ -60,7 +61,7 @@ def _serve(s: _Serve, x, w_values, w_scale, x_scale, w_outer):
     x_role = "rhs" if s.role == "lhs" else "lhs"
     x_axes = rc if s.role == "lhs" else lc
     if x_scale is not None:  # delayed scaling: the frozen activation scale
-        dtype = st.operand_recipe(x_role).fwd_dtype
+        dtype = quantising_recipe(st, x_role).fwd_dtype
         qx = QuantizedArray(_formats.quantize(x, x_scale, dtype), x_scale)
     else:
         qx, _ = quantise(call, x_role, x, x_axes)
@@ -227,7 +228,7 @@ def _serving_ragged(s: _ServeRagged, x, w_values, w_scale, x_scale, group_sizes)
     if x_scale is not None:  # delayed scaling: the frozen activation scale (per tensor, or per group)
         if s.per_group:
             x_scale = x_scale[group_ids(group_sizes, x.shape[0])][:, None]
-        qx = QuantizedArray(_formats.quantize(x, x_scale, call.settings.operand_recipe("lhs").fwd_dtype), x_scale)
+        qx = QuantizedArray(_formats.quantize(x, x_scale, quantising_recipe(call.settings, "lhs").fwd_dtype), x_scale)
     else:
         qx, _ = quantise_tokens(rc, "lhs", x, (1,), None, None, group_sizes)
     if np.dtype(w_scale.dtype) == np.dtype(np.uint8):
