@@ -85,7 +85,7 @@ def _kind_of_layer(layer) -> str:
 
 def _state_ndims(layer) -> tuple:
     """`(entry_ndims,)` of the template layer's state type, or `()` if it has none."""
-    op = None if is_serving_layer(layer) else fp8_op(layer)
+    op = fp8_op(layer)  # None for plain and serving layers
     if op is not None and op.lhs is not None:  # an "fp8" layer (`_kind_of_layer`)
         return (type(op.lhs).entry_ndims,)
     return ()

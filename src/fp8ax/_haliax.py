@@ -85,30 +85,42 @@ def haxq() -> ModuleType:
     return haliax.quantization
 
 
+def _module(name: str) -> Any:
+    """The imported module `name` (`haliax` or one of its submodules, all imported with
+    it) if the program imported Haliax, else None; no import statement runs (these
+    checks run on every node of a model walk)."""
+    return sys.modules.get(name) if loaded() else None
+
+
 def is_named(x: Any) -> bool:
     """Whether `x` is a `haliax.NamedArray`."""
-    return loaded() and isinstance(x, hax().NamedArray)
+    hx = _module("haliax")
+    return hx is not None and isinstance(x, hx.NamedArray)
 
 
 def is_axis(x: Any) -> bool:
     """Whether `x` is a `haliax.Axis`."""
-    return loaded() and isinstance(x, hax().Axis)
+    hx = _module("haliax")
+    return hx is not None and isinstance(x, hx.Axis)
 
 
 def is_linear(x: Any) -> bool:
     """Whether `x` is a `haliax.nn.Linear`."""
-    return loaded() and isinstance(x, hnn().Linear)
+    nn = _module("haliax.nn")
+    return nn is not None and isinstance(x, nn.Linear)
 
 
 def is_moe_linear(x: Any) -> "TypeGuard[haliax.nn.MoELinear]":
     """Whether `x` is a `haliax.nn.MoELinear`."""
-    return loaded() and isinstance(x, hnn().MoELinear)
+    nn = _module("haliax.nn")
+    return nn is not None and isinstance(x, nn.MoELinear)
 
 
 def is_overwrite_with_gradient(x: Any) -> bool:
     """Whether `x` is a `haliax.quantization.OverwriteWithGradient`: Haliax's own FP8 and int8
     ops, and fp8ax's modules once registered."""
-    return loaded() and isinstance(x, haxq().OverwriteWithGradient)
+    q = _module("haliax.quantization")
+    return q is not None and isinstance(x, q.OverwriteWithGradient)
 
 
 def current_axis_mapping():

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import equinox as eqx
 import jax.tree_util as jtu
@@ -16,8 +16,6 @@ from .. import _haliax
 from .dot_general import Fp8DotGeneral
 from .linear import Fp8Linear
 from .moe import Fp8MoELinear
-
-T = TypeVar("T")
 
 
 def is_linear(x: Any) -> bool:

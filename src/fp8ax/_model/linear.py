@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import TYPE_CHECKING, Literal
 
 import equinox as eqx
 import jax
@@ -15,8 +15,6 @@ if TYPE_CHECKING:
 
 from .config import Fp8Config
 from .dot_general import Fp8DotGeneral
-
-T = TypeVar("T")
 
 
 class Fp8Linear(eqx.Module):

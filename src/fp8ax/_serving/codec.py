@@ -7,7 +7,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +19,6 @@ if TYPE_CHECKING:
 
 from .. import _formats
 
-T = TypeVar("T")
 _FP4 = np.dtype(jnp.float4_e2m1fn)
 _E8M0 = np.dtype(jnp.float8_e8m0fnu)
 

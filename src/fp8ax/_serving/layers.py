@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal
 
 import equinox as eqx
 import jax
@@ -19,8 +19,6 @@ from .._model import (
 )
 from .codec import decode
 from .ops import ServingDotGeneral, ServingRaggedDot
-
-T = TypeVar("T")
 
 
 class ServingLinear(eqx.Module):

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Literal, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import equinox as eqx
 import jax
@@ -38,7 +38,6 @@ from .._model import (
 )
 from .._quantized import QuantizedArray
 
-T = TypeVar("T")
 _FP4 = np.dtype(jnp.float4_e2m1fn)
 _E8M0 = np.dtype(jnp.float8_e8m0fnu)
 
