@@ -244,14 +244,14 @@ def _halves(x):
     return x.reshape(2, x.shape[0] // 2, *x.shape[1:])
 
 
-def _scan(f, *, remat=False):
+def _scan(f, *, remat=False, policy=None):
     # The layer closed over by the body (an RNN cell's way); the body runs on the two
     # halves of x: two uses, merged inside the scan.
     def g(layer, x):
         def body(carry, xi):
             return carry, f(layer, xi)
 
-        body = jax.checkpoint(body) if remat else body
+        body = jax.checkpoint(body, policy=policy) if remat else body
         _, ys = lax.scan(body, None, _halves(x))
         return ys.reshape(x.shape[0], *ys.shape[2:])
 
@@ -323,8 +323,11 @@ def _shard_map(check_vma: bool):
     return wrap
 
 
-def _policy(f):
-    return jax.checkpoint(f, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+def _policy(policy):
+    # A policy that saves residuals: JAX rounds each saved floating-point residual to the
+    # format of its dtype (src/fp8ax/_gemm/residuals.py). Every other policy is run for
+    # every recipe by tests/test_remat.py.
+    return lambda f: jax.checkpoint(f, policy=policy)
 
 
 BOUNDARIES: dict[str, Boundary] = {
@@ -332,10 +335,16 @@ BOUNDARIES: dict[str, Boundary] = {
     "jax.jit": Boundary(_jax_style(jax.jit)),
     "eqx.filter_jit": Boundary(eqx.filter_jit),
     "jax.checkpoint": Boundary(_jax_style(jax.checkpoint)),
-    "jax.checkpoint(policy)": Boundary(_jax_style(_policy)),
+    "jax.checkpoint(everything_saveable)": Boundary(_jax_style(_policy(jax.checkpoint_policies.everything_saveable))),
     "eqx.filter_checkpoint": Boundary(eqx.filter_checkpoint),
     "lax.scan": Boundary(_scan, parts=2),
     "lax.scan(checkpoint)": Boundary(functools.partial(_scan, remat=True), parts=2),
+    # Haliax's `Stacked(gradient_checkpointing="save_all")`: a scan whose checkpointed body
+    # saves its internals.
+    "lax.scan(checkpoint(save_anything_except_these_names))": Boundary(
+        functools.partial(_scan, remat=True, policy=jax.checkpoint_policies.save_anything_except_these_names()),
+        parts=2,
+    ),
     "jax.vmap": Boundary(_vmap(jax.vmap)),
     "eqx.filter_vmap": Boundary(_vmap(eqx.filter_vmap)),
     "lax.cond": Boundary(_cond),
@@ -655,6 +664,10 @@ def run_case(entry_name: str, boundary: str, pattern_name: str, trained: bool, n
     for k, v in got.items():
         assert np.all(np.isfinite(v)), f"non-finite FP8 state at {k}: {v}"
         assert not (_spare(k) and np.any(v)), f"the unused layer's state gradient is not zero at {k}"
+    if not nan:  # (a NaN input gives NaN gradients, as without FP8)
+        _, real = fp8ax.partition_for_grad_overwrite(grads)
+        for leaf in jtu.tree_leaves(eqx.filter(real, eqx.is_array)):
+            assert np.all(np.isfinite(np.asarray(leaf))), "a non-finite parameter gradient"
     want = merged_reference(entry_name, plain, _split(uses, b))
     _assert_equal(got, want, "new state vs the max of the uses alone")
     if entry.one_layer and not nan:
@@ -722,8 +735,15 @@ FULL_BOUNDARIES = ("eqx.filter_checkpoint",)
 NESTED_ENTRIES = ("dot_general", "hax_linear")
 # Boundaries whose every-pattern sweep another one already makes (eqx.filter_jit: jax.jit;
 # eqx.filter_vmap: jax.vmap; lax.switch: lax.cond; the policy and the checkpointed scan
-# body: jax.checkpoint and lax.scan): pattern "twice" only.
-TWICE_ONLY = ("eqx.filter_jit", "eqx.filter_vmap", "lax.switch", "jax.checkpoint(policy)", "lax.scan(checkpoint)")
+# bodies: jax.checkpoint and lax.scan): pattern "twice" only.
+TWICE_ONLY = (
+    "eqx.filter_jit",
+    "eqx.filter_vmap",
+    "lax.switch",
+    "jax.checkpoint(everything_saveable)",
+    "lax.scan(checkpoint)",
+    "lax.scan(checkpoint(save_anything_except_these_names))",
+)
 
 
 def case_id(case) -> str:

@@ -126,9 +126,10 @@ def test_block_gemms_are_blackwell_block_scaled_gemms(b200, recipe, values, scal
     assert "__cudnn$blockScaledDot" not in plain
 
 
-def _step(mesh, mode):
+def _step(mesh, mode, policy=None):
     """`(jitted step, abstract arguments placed on the described H100)`: the gradient of
-    one FP8 layer's output, the layer in `mode`."""
+    one FP8 layer's output, the layer in `mode` (under `jax.checkpoint` with `policy`, if
+    one is given)."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     dg = fp8ax.Fp8DotGeneral.init(mode=mode)
@@ -140,13 +141,15 @@ def _step(mesh, mode):
 
     def step(leaves, x, w):
         d = eqx.combine(jax.tree.unflatten(tree, leaves), static)
-        return jax.grad(lambda d, x, w: jnp.sum(d(x, w, DIMS).astype(jnp.float32) ** 2), argnums=(0, 1, 2))(d, x, w)
+        loss = lambda d, x, w: jnp.sum(d(x, w, DIMS).astype(jnp.float32) ** 2)  # noqa: E731
+        loss = loss if policy is None else jax.checkpoint(loss, policy=policy)
+        return jax.grad(loss, argnums=(0, 1, 2))(d, x, w)
 
     return jax.jit(step), ([abstract(a) for a in leaves], x, w)
 
 
-def _compile_step(mesh, mode):
-    step, args = _step(mesh, mode)
+def _compile_step(mesh, mode, policy=None):
+    step, args = _step(mesh, mode, policy)
     return step.lower(*args).compile().as_text()
 
 
@@ -176,6 +179,14 @@ def test_default_step_compiles_for_an_h100_without_one(h100, mode):
     assert s["gemms"] == 3
     if mode == "direct":  # qdq relies on XLA's pattern, which Triton's GEMM fusions do not take
         assert s["fp8_gemms"] == 3, s["gemm_paths"]
+
+
+def test_saved_fp8_residuals_still_feed_fp8_gemms(h100):
+    # Under a policy that saves residuals, the backward GEMMs read the forward's FP8
+    # copies back from their bits (src/fp8ax/_gemm/residuals.py): still FP8 GEMMs.
+    mesh, gpu_hlo = h100
+    s = gpu_hlo.summary(_compile_step(mesh, "direct", jax.checkpoint_policies.everything_saveable))
+    assert s["gemms"] == 3 and s["fp8_gemms"] == 3, s["gemm_paths"]
 
 
 def _train_step_programs(paths: str, variants: str, tmp_path) -> dict:

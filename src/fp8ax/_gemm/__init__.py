@@ -7,7 +7,9 @@
 - `kernels`: the GEMM itself (FP8/int8, block-scaled, per-chunk, emulated), shared by
   the dense, grouped and serving paths;
 - `dense`: the custom VJP of a `dot_general` (`quantized_dot`);
-- `grouped`: the custom VJP of a ragged dot (mixture-of-experts).
+- `grouped`: the custom VJP of a ragged dot (mixture-of-experts);
+- `residuals`: what both custom VJPs keep for the backward pass, low-precision arrays as
+  bits (a remat policy that saves residuals would round them).
 
 What the ops, serving and the reports use is exported here.
 """
