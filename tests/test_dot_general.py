@@ -455,3 +455,56 @@ def test_every_gemm_setting_reads_the_same_on_ops_and_config():
     assert owners[0][0].accumulation is acc and owners[1][0].block_scaled_gemm is False
     with pytest.raises(AttributeError):
         config.not_a_setting  # noqa: B018
+
+
+def test_takes_every_argument_of_jax_dot_general(getkey):
+    # The arguments of `jax.lax.dot_general` in the supported JAX range, `out_sharding`
+    # included: the maintained Haliax passes it (through `jnp.einsum`'s `_dot_general`,
+    # which passes a sharding on an empty mesh outside any mesh), and each asks what it
+    # asks of `jax.lax.dot_general`. (Explicit meshes: tests/_multidevice.py.)
+    import inspect
+
+    from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
+
+    ours = inspect.signature(fp8ax.Fp8DotGeneral.__call__).parameters
+    assert set(inspect.signature(jax.lax.dot_general).parameters) <= set(ours) - {"self"}
+    dg = fp8ax.Fp8DotGeneral.init(fp8ax.CurrentScaling())
+    x, w, gy = _data(getkey, 8, 16, 4)
+    want = _fwd_and_grads(dg, x, w, gy)
+    nowhere = NamedSharding(AbstractMesh((), ()), P(None, None))
+    got = _fwd_and_grads(lambda x, w, d: dg(x, w, d, out_sharding=nowhere), x, w, gy)
+    einsum = _fwd_and_grads(lambda x, w, d: jnp.einsum("bi,io->bo", x, w, _dot_general=dg), x, w, gy)
+    for a, b, c in zip(want, got, einsum, strict=True):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+        np.testing.assert_array_equal(np.asarray(c), np.asarray(a))
+    # A sharding JAX's own dot_general refuses, ours refuses with JAX's error.
+    with pytest.raises(ValueError) as theirs:
+        jax.lax.dot_general(x, w, DIMS, out_sharding=P("data"))
+    with pytest.raises(ValueError) as mine:
+        dg(x, w, DIMS, out_sharding=P("data"))
+    assert str(mine.value) == str(theirs.value)
+
+
+def test_ragged_and_serving_ops_take_out_sharding(getkey):
+    import inspect
+
+    from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec as P
+
+    assert set(inspect.signature(jax.lax.ragged_dot).parameters) <= set(
+        inspect.signature(fp8ax.Fp8RaggedDot.__call__).parameters
+    )
+    nowhere = NamedSharding(AbstractMesh((), ()), P(None, None))
+    op = fp8ax.Fp8RaggedDot.init(fp8ax.CurrentScaling())
+    x, w = jax.random.normal(getkey(), (8, 16)), jax.random.normal(getkey(), (2, 16, 4))
+    sizes = jnp.array([3, 5], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(op(x, w, sizes, out_sharding=nowhere)), np.asarray(op(x, w, sizes)))
+    lin = fp8ax.fp8_linear_layers(eqx.nn.Linear(16, 4, key=getkey()), fp8ax.Fp8Config(recipe=fp8ax.CurrentScaling()))
+    serving = fp8ax.to_serving(lin)
+    from fp8ax._serving.codec import decode
+
+    sdg = serving.dot_general
+    values = decode(serving.weight, sdg.value_dtype, sdg.packed_length)  # as the layer does
+    dims = (((1,), (1,)), ((), ()))  # x (8, 16) . weight (4, 16)
+    plain = sdg(x, values, dims)
+    assert plain.shape == (8, 4)
+    np.testing.assert_array_equal(np.asarray(sdg(x, values, dims, out_sharding=nowhere)), np.asarray(plain))

@@ -82,7 +82,8 @@ def test_sharded_training_example_on_two_processes(tmp_path):
     assert "8 devices on 2 processes" in out, out
     first = re.search(r"^\s+1\s+(\S+)\s+(\S+)$", out, re.MULTILINE)
     assert first and abs(float(first[1]) - float(first[2])) < 1e-4, out  # step 1: float32 rounding
-    assert "FP8 state sharding: P(None,) (replicated)" in out, out
+    # (Haliax 1.4.dev453 leaves the stacked state's spec at P(None,), marin-haliax pads it.)
+    assert re.search(r"FP8 state sharding: P\((None, )*None,?\) \(replicated\)", out), out
 
 
 @pytest.mark.needs_hax_dot

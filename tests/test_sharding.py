@@ -29,6 +29,7 @@ CASES = [
     "shard_map_no_check_vma",
     "shard_map_pmean_or_psum_of_state_is_wrong",
     "eager_shard_map_no_check_vma_refuses",
+    "explicit_sharding",
     *(f"recipe:{name}" for name in REGISTRY),  # every recipe of tests/recipe_registry.py
 ]
 

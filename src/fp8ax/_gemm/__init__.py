@@ -19,6 +19,7 @@ from .dims import (
     DimensionNumbers as DimensionNumbers,
     bwd_layout as bwd_layout,
     check_dimension_numbers as check_dimension_numbers,
+    explicitly_sharded as explicitly_sharded,
 )
 from .grouped import (
     RaggedCall as RaggedCall,

@@ -29,7 +29,7 @@ from jaxtyping import Array
 from .. import _boundaries
 from .._maxgrad import raw_to_max
 from .._quantized import QuantizedArray
-from .dims import bwd_layout, oriented_gemm
+from .dims import bwd_layout, oriented_gemm, sharded_like
 from .kernels import (
     _fp8_pair,
     _ndim,
@@ -142,8 +142,8 @@ def _bwd(call: Call, residuals, g):
     drhs = _batchable_drhs(call)(res_l, res_r, g, shared_g, drhs_scale, keys[1])
     # Inside `jax.shard_map` the cotangent of an operand that does not vary over a manual
     # axis (a replicated weight) is summed over it, as JAX's own `dot_general` does.
-    dlhs = reduce_to(dlhs, call.lhs_vma, lax.psum)
-    drhs = reduce_to(drhs, call.rhs_vma, lax.psum)
+    dlhs = reduce_to(sharded_like(dlhs, res_l), call.lhs_vma, lax.psum)
+    drhs = reduce_to(sharded_like(drhs, res_r), call.rhs_vma, lax.psum)
     if not call.state_is_max:
         return dlhs, drhs
     # With state, each operand was quantised with its state (the gradient once, shared by

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import AxisType, PartitionSpec
 from jaxtyping import Array
 
 DimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int], Sequence[int]]]
@@ -243,3 +244,50 @@ def block_scaled_dot(
 
     out, _ = lax.scan(step, jnp.zeros(jax.eval_shape(one, 0).shape, jnp.float32), jnp.arange(ac.shape[0]))
     return out
+
+
+def explicit_out_sharding(a, b, dims):
+    """Under JAX's explicit sharding (`jax.sharding.AxisType.Explicit`), the sharding of
+    `lax.dot_general(a, b, dims)`'s result that the operands imply: each batch and free
+    dimension keeps its operand's mesh axes (a mesh axis shards one dimension at most:
+    the first keeps it), and a sharded contraction is summed over its devices. JAX asks
+    for it where it cannot choose (a contraction sharded on both sides, as in a weight
+    gradient over a sharded batch). None outside explicit sharding (the compiler
+    chooses), as for JAX's own `dot_general`."""
+    if not explicitly_sharded(a):
+        return None
+    sa, sb = jax.typeof(a).sharding, jax.typeof(b).sharding
+    (ac, bc), (ab, bb) = dims
+
+    def spec(s, ndim):
+        return tuple(s.spec) + (None,) * (ndim - len(s.spec))
+
+    pa, pb = spec(sa, a.ndim), spec(sb, b.ndim)
+    entries = (
+        [pa[i] for i in ab]
+        + [pa[i] for i in range(a.ndim) if i not in ac and i not in ab]
+        + [pb[i] for i in range(b.ndim) if i not in bc and i not in bb]
+    )
+    used: set = set()
+    out = []
+    for e in entries:
+        names = () if e is None else (e if isinstance(e, tuple) else (e,))
+        if used.intersection(names):
+            e, names = None, ()
+        used.update(names)
+        out.append(e)
+    return PartitionSpec(*out)
+
+
+def sharded_like(x: Array, like) -> Array:
+    """`x` (an operand's cotangent) with the sharding of `like` (the operand, or its
+    `QuantizedArray`) under explicit sharding; `x` itself otherwise."""
+    like = getattr(like, "values", like)
+    return jax.sharding.reshard(x, jax.typeof(like).sharding.spec) if explicitly_sharded(like) else x
+
+
+def explicitly_sharded(x) -> bool:
+    """Whether `x`'s type carries a sharding over explicit mesh axes (JAX's
+    sharding-in-types mode, `jax.sharding.AxisType.Explicit`)."""
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))

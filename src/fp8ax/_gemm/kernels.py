@@ -12,7 +12,7 @@ from jax import lax
 
 from .._quantized import QuantizedArray
 from .._tensor_core import emulated_dot_general
-from .dims import block_scaled_dot, rescale
+from .dims import block_scaled_dot, explicit_out_sharding, rescale
 from .operands import (
     Call,
     _f32,
@@ -208,16 +208,31 @@ def run_gemm(call: Call, qa, a, qb, b, dims, precision, out_dtype, scale=None):
                 # precision rule the consumers read the f32 product.) XLA:CPU rounds the
                 # product to the dtype before the scale multiply, a GPU after: at most one
                 # unit in the last place apart.
-                out = lax.dot_general(qa.values, qb.values, dims, precision=precision, preferred_element_type=out_dtype)
+                sharding = explicit_out_sharding(qa.values, qb.values, dims)
+                out = lax.dot_general(
+                    qa.values,
+                    qb.values,
+                    dims,
+                    precision=precision,
+                    preferred_element_type=out_dtype,
+                    out_sharding=sharding,
+                )
                 if scale is None:
                     scale = lax.mul(_f32(qa.scale), _f32(qb.scale))
                 scale = lax.convert_element_type(scale, out_dtype)
-                return lax.mul(out, lax.broadcast_in_dim(scale, out.shape, ()))
+                return lax.mul(out, lax.broadcast_in_dim(scale, out.shape, (), out_sharding=sharding))
             if emulated is not None:
                 acc = emulated(qa.values, qb.values, dims)
             else:
                 acc_dtype = jnp.int32 if pair == "int32" else jnp.float32
-                acc = lax.dot_general(qa.values, qb.values, dims, precision=precision, preferred_element_type=acc_dtype)
+                acc = lax.dot_general(
+                    qa.values,
+                    qb.values,
+                    dims,
+                    precision=precision,
+                    preferred_element_type=acc_dtype,
+                    out_sharding=explicit_out_sharding(qa.values, qb.values, dims),
+                )
             return rescale(
                 acc, qa.expanded_scale(), qa.values.shape, qb.expanded_scale(), qb.values.shape, dims
             ).astype(out_dtype)
@@ -232,7 +247,9 @@ def run_gemm(call: Call, qa, a, qb, b, dims, precision, out_dtype, scale=None):
     da = _dequantise(qa, ref) if qa is not None else a.astype(ref)
     db = _dequantise(qb, ref) if qb is not None else b.astype(ref)
     pref = jnp.float32 if ref == np.float32 or outer is not None else None
-    out = lax.dot_general(da, db, dims, precision=precision, preferred_element_type=pref)
+    out = lax.dot_general(
+        da, db, dims, precision=precision, preferred_element_type=pref, out_sharding=explicit_out_sharding(da, db, dims)
+    )
     return _times_outer(out, outer).astype(out_dtype)
 
 

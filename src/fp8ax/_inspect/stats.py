@@ -134,8 +134,8 @@ class _Capture(eqx.Module):
     index: Array  # int32 of the stacked shape: which stacked layer (sliced with the state)
     slot: int = eqx.field(static=True)  # the layer's position in `_layers(model)`
 
-    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
-        out = self.inner(lhs, rhs, dimension_numbers, precision, preferred_element_type)
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, out_sharding=None):
+        out = self.inner(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding=out_sharding)
         st = self.inner.settings
         if "fwd" in st.high_precision_gemms:
             return out

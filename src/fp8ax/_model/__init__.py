@@ -13,7 +13,13 @@ This is the one unit besides the `_haliax` door that imports Haliax, at run time
 
 from .advice import advise_gpu_compile as advise_gpu_compile
 from .config import Fp8Config as Fp8Config
-from .dot_general import Fp8DotGeneral as Fp8DotGeneral, check_operand as check_operand, make_call as make_call
+from .dot_general import (
+    Fp8DotGeneral as Fp8DotGeneral,
+    check_explicit_sharding as check_explicit_sharding,
+    check_operand as check_operand,
+    make_call as make_call,
+    with_out_sharding as with_out_sharding,
+)
 from .kinds import (
     axis_size as axis_size,
     fp8_op as fp8_op,

@@ -20,6 +20,7 @@ from .._gemm import (
     Mode,
     SettingsView,
     check_dimension_numbers,
+    explicitly_sharded,
     quantized_dot,
     settings_from,
 )
@@ -124,9 +125,11 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
         dimension_numbers: DimensionNumbers,
         precision=None,
         preferred_element_type=None,
+        *,
+        out_sharding=None,
     ) -> Array:
-        """`jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type)`
-        computed on FP8-quantised operands.
+        """`jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
+        out_sharding=out_sharding)` computed on FP8-quantised operands.
 
         **Arguments:**
 
@@ -136,16 +139,20 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
           as for `jax.lax.dot_general`.
         - `precision`: used for the forward GEMM unless `fwd_precision` was set.
         - `preferred_element_type`: the output dtype, as for `jax.lax.dot_general`.
+        - `out_sharding`: the result's sharding, as for `jax.lax.dot_general` (a
+          `PartitionSpec` or `NamedSharding` of explicit mesh axes; Haliax passes one under
+          an explicit mesh, None otherwise). (Keyword only argument.)
 
         **Returns:**
 
         An array of the shape and dtype that `jax.lax.dot_general` returns for the same
         arguments (bf16 operands give a bf16 result unless `preferred_element_type` says
-        otherwise).
+        otherwise), sharded as `out_sharding` says.
         """
         st = self.settings
         lhs = check_operand(lhs, "lhs")
         rhs = check_operand(rhs, "rhs")
+        check_explicit_sharding("fp8ax.Fp8DotGeneral", st, lhs, rhs)
         lhs, rhs, raw, state_is_max = self._begin_call(lhs, rhs)
         call = make_call(
             st,
@@ -160,7 +167,7 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
             lhs_vma=vma(lhs),
             rhs_vma=vma(rhs),
         )
-        return quantized_dot(call, lhs, rhs, *raw)
+        return with_out_sharding(quantized_dot(call, lhs, rhs, *raw), out_sharding)
 
     def _state_problems(self, empty: bool = True) -> list[tuple[str, str]]:
         """`(role, problem)` for each of `lhs`, `rhs`, `grad` whose state is `"corrupt"`
@@ -326,3 +333,34 @@ def check_operand(x, argname: str) -> Array:
             f"{dtype}. For integer or complex matmuls use `jax.lax.dot_general`."
         )
     return jnp.asarray(x)
+
+
+def with_out_sharding(out: Array, out_sharding) -> Array:
+    """`out` sharded as a `dot_general`'s `out_sharding` asks (JAX's `reshard`, which takes
+    and refuses the same shardings as `jax.lax.dot_general`). A sharding on an empty mesh,
+    which `jnp.einsum` passes outside any mesh, asks for nothing, as in `dot_general`."""
+    if out_sharding is None or getattr(getattr(out_sharding, "mesh", None), "empty", False):
+        return out
+    return jax.sharding.reshard(out, out_sharding)
+
+
+_ROLES = ("lhs", "rhs", "grad")
+
+
+def check_explicit_sharding(op: str, settings: GemmSettings | None, *operands) -> None:
+    """Under JAX's explicit sharding, fp8ax runs tensor-wise recipes (delayed scaling,
+    tensor-wise current scaling) in its dense op; anything else raises here, in fp8ax's
+    words, instead of a sharding error from inside a quantiser. (`settings` None: the op
+    supports no explicit sharding at all.)"""
+    if not any(explicitly_sharded(x) for x in operands):
+        return
+    recipes = [] if settings is None else [settings.operand_recipe(r) for r in _ROLES]
+    if settings is not None and all(r is None or r.scale_layout == "tensor" for r in recipes):
+        return
+    what = "this op" if settings is None else f"recipe {settings.recipe!r}"
+    raise NotImplementedError(
+        f"fp8ax: {op} got operands sharded over explicit mesh axes (`jax.sharding.AxisType.Explicit`), which "
+        f"fp8ax supports for tensor-wise recipes in `Fp8DotGeneral` only (`DelayedScaling()`, "
+        f"`CurrentScaling('tensor')`), not for {what}. Make the mesh's axes `AxisType.Auto` (the default of "
+        "`jax.make_mesh`), or use a tensor-wise recipe."
+    )

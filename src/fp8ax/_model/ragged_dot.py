@@ -25,7 +25,7 @@ from .._gemm import (
     settings_from,
 )
 from .._recipes import AbstractScalingRecipe
-from .dot_general import Fp8DotGeneral, check_operand
+from .dot_general import Fp8DotGeneral, check_explicit_sharding, check_operand, with_out_sharding
 
 
 class Fp8RaggedDot(Fp8DotGeneral):
@@ -172,9 +172,10 @@ class Fp8RaggedDot(Fp8DotGeneral):
         precision=None,
         preferred_element_type=None,
         group_offset=None,
+        out_sharding=None,
     ) -> Array:
-        """`jax.lax.ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type)`
-        computed on quantised operands.
+        """`jax.lax.ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type,
+        group_offset, out_sharding)` computed on quantised operands.
 
         **Arguments:**
 
@@ -186,6 +187,8 @@ class Fp8RaggedDot(Fp8DotGeneral):
         - `precision`: used for the forward GEMM unless `fwd_precision` was set.
         - `preferred_element_type`: the output dtype, as for `jax.lax.ragged_dot`.
         - `group_offset`: not supported (must be None).
+        - `out_sharding`: the result's sharding, as for `jax.lax.ragged_dot`. (Operands
+          sharded over explicit mesh axes are not supported.)
 
         **Returns:**
 
@@ -196,6 +199,7 @@ class Fp8RaggedDot(Fp8DotGeneral):
         st = self.settings
         lhs = check_operand(lhs, "lhs")
         rhs = check_operand(rhs, "rhs")
+        check_explicit_sharding("fp8ax.Fp8RaggedDot", None, lhs, rhs)
         if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
             raise ValueError(
                 "`Fp8RaggedDot` takes `lhs` of shape (M, K) and `rhs` of shape (G, K, N), got "
@@ -237,4 +241,4 @@ class Fp8RaggedDot(Fp8DotGeneral):
             rhs_vma=vma(rhs),
         )
         rc = RaggedCall(call, self.per_expert_weights, self.per_group_tokens)
-        return ragged_quantized_dot(rc, lhs, rhs, group_sizes, *raw)
+        return with_out_sharding(ragged_quantized_dot(rc, lhs, rhs, group_sizes, *raw), out_sharding)

@@ -33,8 +33,10 @@ from .._gemm import (
     run_gemm,
 )
 from .._model import (
+    check_explicit_sharding,
     check_operand,
     make_call,
+    with_out_sharding,
 )
 from .._quantized import QuantizedArray
 
@@ -123,10 +125,13 @@ class ServingDotGeneral(eqx.Module):
     weight_scale_format: np.dtype = eqx.field(static=True, default=_E8M0)  # an 8-bit scale's format
 
     @jax.named_scope("fp8ax.ServingDotGeneral")
-    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None) -> Array:
+    def __call__(
+        self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, out_sharding=None
+    ) -> Array:
         """`jax.lax.dot_general(lhs, rhs, dimension_numbers, precision,
-        preferred_element_type)` where one of `lhs`, `rhs` is the stored weight's
-        low-precision values (as the layer passes them) and the other the activation.
+        preferred_element_type, out_sharding=out_sharding)` where one of `lhs`, `rhs` is
+        the stored weight's low-precision values (as the layer passes them) and the other
+        the activation. (Operands sharded over explicit mesh axes are not supported.)
 
         **Returns:**
 
@@ -148,6 +153,7 @@ class ServingDotGeneral(eqx.Module):
         self._check_scales()
         st = self.settings
         x = check_operand(x, "lhs" if role == "rhs" else "rhs")
+        check_explicit_sharding("fp8ax.ServingDotGeneral", None, x, w)
         w_dtype = self.weight_dtype
         if st.compute_dtype is not None:
             x = x.astype(st.compute_dtype)
@@ -179,7 +185,8 @@ class ServingDotGeneral(eqx.Module):
             rhs_vma=vma(rhs),
         )
         s = _Serve(call, role, self.layer, self.tile, self.int_exponent, self.weight_scale_format)
-        return _serving_gemm(s, x, w, self.weight_scale, self.input_scale, self.weight_outer_scale)
+        out = _serving_gemm(s, x, w, self.weight_scale, self.input_scale, self.weight_outer_scale)
+        return with_out_sharding(out, out_sharding)
 
     def _check_scales(self):
         want = self.weight_scale_dtype
