@@ -208,31 +208,17 @@ def run_gemm(call: Call, qa, a, qb, b, dims, precision, out_dtype, scale=None):
                 # precision rule the consumers read the f32 product.) XLA:CPU rounds the
                 # product to the dtype before the scale multiply, a GPU after: at most one
                 # unit in the last place apart.
-                sharding = explicit_out_sharding(qa.values, qb.values, dims)
-                out = lax.dot_general(
-                    qa.values,
-                    qb.values,
-                    dims,
-                    precision=precision,
-                    preferred_element_type=out_dtype,
-                    out_sharding=sharding,
-                )
+                out = _dot(qa.values, qb.values, dims, precision, out_dtype)
                 if scale is None:
                     scale = lax.mul(_f32(qa.scale), _f32(qb.scale))
                 scale = lax.convert_element_type(scale, out_dtype)
+                sharding = explicit_out_sharding(qa.values, qb.values, dims)
                 return lax.mul(out, lax.broadcast_in_dim(scale, out.shape, (), out_sharding=sharding))
             if emulated is not None:
                 acc = emulated(qa.values, qb.values, dims)
             else:
                 acc_dtype = jnp.int32 if pair == "int32" else jnp.float32
-                acc = lax.dot_general(
-                    qa.values,
-                    qb.values,
-                    dims,
-                    precision=precision,
-                    preferred_element_type=acc_dtype,
-                    out_sharding=explicit_out_sharding(qa.values, qb.values, dims),
-                )
+                acc = _dot(qa.values, qb.values, dims, precision, acc_dtype)
             return rescale(
                 acc, qa.expanded_scale(), qa.values.shape, qb.expanded_scale(), qb.values.shape, dims
             ).astype(out_dtype)
@@ -247,10 +233,13 @@ def run_gemm(call: Call, qa, a, qb, b, dims, precision, out_dtype, scale=None):
     da = _dequantise(qa, ref) if qa is not None else a.astype(ref)
     db = _dequantise(qb, ref) if qb is not None else b.astype(ref)
     pref = jnp.float32 if ref == np.float32 or outer is not None else None
-    out = lax.dot_general(
-        da, db, dims, precision=precision, preferred_element_type=pref, out_sharding=explicit_out_sharding(da, db, dims)
-    )
-    return _times_outer(out, outer).astype(out_dtype)
+    return _times_outer(_dot(da, db, dims, precision, pref), outer).astype(out_dtype)
+
+
+def _dot(a, b, dims, precision, preferred):
+    """`lax.dot_general`, sharded as its operands imply under explicit sharding."""
+    sharding = explicit_out_sharding(a, b, dims)
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=preferred, out_sharding=sharding)
 
 
 def _outer_product(qa, qb):
