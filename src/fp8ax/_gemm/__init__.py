@@ -31,7 +31,7 @@ from .grouped import (
     ragged_quantized_dot as ragged_quantized_dot,
 )
 from .kernels import run_gemm as run_gemm
-from .operands import Call as Call, quantise as quantise
+from .operands import ROLES as ROLES, Call as Call, quantise as quantise
 from .settings import (
     GEMM_KEYWORDS as GEMM_KEYWORDS,
     SETTINGS_FIELDS as SETTINGS_FIELDS,

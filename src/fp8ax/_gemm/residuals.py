@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-# Floating-point dtypes narrower than 16 bits: each of them is changed by the rounding
-# above (tests/test_remat.py checks the list against JAX's `reduce_precision`), and each
-# bitcasts to the unsigned integer of its width.
+# Floating-point dtypes narrower than 16 bits, carried as the unsigned integer of their
+# width: every one the rounding above changes (all but E5M2, which is carried as bits all
+# the same; tests/test_remat.py checks the list against JAX's `reduce_precision`).
 _BITS = {8: jnp.uint8, 4: jnp.uint4}
 
 

@@ -12,6 +12,7 @@ from jaxtyping import Array, ArrayLike
 from .. import _formats
 from .._boundaries import check_eager_shard_map, vma
 from .._gemm import (
+    ROLES,
     SETTINGS_FIELDS,
     Call,
     DimensionNumbers,
@@ -344,9 +345,6 @@ def with_out_sharding(out: Array, out_sharding) -> Array:
     return jax.sharding.reshard(out, out_sharding)
 
 
-_ROLES = ("lhs", "rhs", "grad")
-
-
 def check_explicit_sharding(op: str, settings: GemmSettings | None, *operands) -> None:
     """Under JAX's explicit sharding, fp8ax runs tensor-wise recipes (delayed scaling,
     tensor-wise current scaling) in its dense op; anything else raises here, in fp8ax's
@@ -354,7 +352,7 @@ def check_explicit_sharding(op: str, settings: GemmSettings | None, *operands) -
     supports no explicit sharding at all.)"""
     if not any(explicitly_sharded(x) for x in operands):
         return
-    recipes = [] if settings is None else [settings.operand_recipe(r) for r in _ROLES]
+    recipes = [] if settings is None else [settings.operand_recipe(r) for r in ROLES]
     if settings is not None and all(r is None or r.scale_layout == "tensor" for r in recipes):
         return
     what = "this op" if settings is None else f"recipe {settings.recipe!r}"
