@@ -1,8 +1,8 @@
 import functools
+import importlib.util
 import os
 import warnings
 import zlib
-from importlib.metadata import version
 
 import jax
 import pytest
@@ -37,13 +37,23 @@ def getkey(request):
     return _GetKey(zlib.crc32(request.node.nodeid.encode()))
 
 
+def pytest_configure(config):
+    # Haliax is no dependency of fp8ax, but the tests use it (many modules import it).
+    if importlib.util.find_spec("haliax") is None:
+        raise pytest.UsageError(
+            "the tests need Haliax, which fp8ax does not install: "
+            '`pip install -e ".[test,haliax]"` (marin-haliax), or `pip install -e ".[test]"` beside '
+            "the old `haliax` distribution (README.md, 'Supported versions')"
+        )
+
+
 # --- `needs_hax_dot`: tests that need a working named-axis `hax.dot` ---
 #
-# Haliax 1.4.dev453's `hax.dot` (and so every `hax.nn.Linear`) calls
-# `jax.core.is_constant_dim`, which jax 0.11 removed. Tests marked `needs_hax_dot` are
-# skipped when a tiny `hax.dot` fails here, whatever the versions: they run again as soon
-# as Haliax works with the installed JAX. CI's run on the oldest supported JAX sets
-# FP8AX_REQUIRE_HAX_DOT=1, which turns the skip into a failure, so that run is complete.
+# The `hax.dot` (and so every `hax.nn.Linear`) of Haliax 1.4.dev453 and marin-haliax
+# 0.2.20 calls `jax.core.is_constant_dim`, which jax 0.11 removed. Tests marked
+# `needs_hax_dot` are skipped when a tiny `hax.dot` fails here, whatever the versions: they
+# run again as soon as Haliax works with the installed JAX. CI sets
+# FP8AX_REQUIRE_HAX_DOT=1 wherever it runs them, which turns the skip into a failure.
 
 
 @functools.cache
@@ -69,7 +79,49 @@ def hax_dot_failure() -> str | None:
 def pytest_runtest_setup(item):
     if item.get_closest_marker("needs_hax_dot") is None or (why := hax_dot_failure()) is None:
         return
-    msg = f"named-axis hax.dot fails with haliax {version('haliax')} on jax {jax.__version__}: {why}"
+    from fp8ax._haliax import installed_haliax
+
+    msg = f"named-axis hax.dot fails with {installed_haliax()} on jax {jax.__version__}: {why}"
     if os.environ.get("FP8AX_REQUIRE_HAX_DOT") == "1":
         pytest.fail(f"FP8AX_REQUIRE_HAX_DOT=1, but {msg}", pytrace=False)
     pytest.skip(msg)
+
+
+# --- `haliax_subset`: the tests CI also runs with the other Haliax releases ---
+#
+# Run 1 of CI runs every test with one Haliax (marin-haliax at the version marin-levanter
+# pins). Runs 2 and 3 run these with the newest marin-haliax on jax 0.12 and with the old
+# `haliax` distribution (1.4.dev453): the Haliax door, the demo, the README's code and the
+# sharded layouts (FSDP, tensor parallel, the FP8 all-gather), about 2 minutes on 2 cores.
+# Each entry is a test id or the start of one (a file, a test and all its parameters).
+HALIAX_SUBSET = (
+    "tests/test_haliax.py::",
+    "tests/test_examples_and_docs.py::test_example_runs[demo.py]",
+    "tests/test_examples_and_docs.py::test_runnable_doc_blocks[README.md]",
+    "tests/test_sharding.py::test_cases[layouts]",
+)
+
+
+# --- `gpu_program`: what CI's run 3 compiles with JAX's CUDA plugin, beside its Haliax subset ---
+GPU_PROGRAM = ("tests/test_gpu_program.py::", "tests/test_gpu_hlo.py::")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(HALIAX_SUBSET):
+            item.add_marker(pytest.mark.haliax_subset)
+        if item.nodeid.startswith(GPU_PROGRAM):
+            item.add_marker(pytest.mark.gpu_program)
+    # An entry whose file was collected whole but that names no test (a test renamed) is an
+    # error, not a subset that shrank without a word.
+    if any("::" in arg for arg in config.args):
+        return  # test ids named on the command line: their files are not collected whole
+    ids = [item.nodeid for item in items]
+    stale = [
+        entry
+        for entry in HALIAX_SUBSET
+        if not any(i.startswith(entry) for i in ids) and any(i.startswith(entry.split("::")[0] + "::") for i in ids)
+    ]
+    if stale:
+        raise pytest.UsageError(f"tests/conftest.py: HALIAX_SUBSET names no collected test: {stale}")

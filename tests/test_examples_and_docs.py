@@ -299,25 +299,35 @@ def test_every_public_name_is_in_the_api_reference():
 def test_readme_starts_with_the_two_commands():
     readme = (ROOT / "README.md").read_text()
     head = readme[:3000]
-    # The main job installs the `haliax` extra: the demo is a Haliax model, and Haliax
-    # 1.4.dev453 runs on jax 0.10 only, which the extra asks for on every Python.
+    # The main job installs the `haliax` extra: the demo is a Haliax model, and fp8ax does
+    # not install Haliax by itself. The extra is the maintained distribution, marin-haliax;
+    # the old `haliax` distribution is never named there (both install the package `haliax`).
     main_job = 'python3 -m venv .venv && .venv/bin/pip install -e ".[haliax]" && .venv/bin/python examples/demo.py'
     assert main_job in head.splitlines()
-    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert extras["haliax"] == ["jax>=0.10.0,<0.11"], extras["haliax"]
-    assert '.venv/bin/pip install -e ".[test]" && .venv/bin/python -m pytest -q' in head
-    # CI's runs (Python 3.11 / jax 0.10, Python 3.12 / newest jax, and the deviceless GPU
-    # compile) are the README's commands, with the interpreter CI finds and a quiet pip.
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    assert extras["haliax"] == ["marin-haliax>=0.2.20.dev202606180959"], extras["haliax"]
+    haliax_names = ("haliax", "marin-haliax", "aqtp")
+    for name, reqs in [("dependencies", project["dependencies"]), *extras.items()]:
+        named = [r for r in reqs if re.split(r"[\s<>=!~;\[]", r, maxsplit=1)[0].lower() in haliax_names]
+        assert named == ([] if name != "haliax" else reqs), (name, reqs)
+    assert '.venv/bin/pip install -e ".[test,haliax]" && .venv/bin/python -m pytest -q' in head
+    # CI's runs (Python 3.11 / jax 0.10 / marin-haliax at Levanter's pin, Python 3.12 /
+    # newest jax and marin-haliax, the deviceless GPU compile with haliax 1.4.dev453) are
+    # the README's commands, with the interpreter CI finds and a quiet pip.
     ci = (ROOT / ".ci" / "run").read_text()
     runs = re.findall(r'^"\$py3\d+" -m venv (.+?) \|\| rc\d=\$\?$', ci, flags=re.MULTILINE)
     assert len(runs) == 3, runs
     assert all(".venv" in run and "/bin/python -m pytest -q" in run for run in runs), runs
+    assert '"marin-haliax==0.2.20.dev202606180959"' in runs[0] and ".[test,haliax]" in runs[1], runs
     assert "jax[cuda12]" in runs[2] and "FP8AX_REQUIRE_GPU_AOT=1" in runs[2], runs[2]
+    assert '".[test]" "haliax>=1.4.dev453"' in runs[2] and '-m "gpu_program or haliax_subset"' in runs[2], runs[2]
+    assert all(run.count("FP8AX_REQUIRE_HAX_DOT=1") == 1 for run in runs), runs
     for run in runs:
         assert run.replace(" install -q -e ", " install -e ") in head, run
-    # CI also runs the main job, the README line itself, on Python 3.11 and 3.12.
+    # CI also runs the main job, the README line itself, on Python 3.11.
     assert "main_job=$(grep -m 1 -E '^python3 -m venv .*examples/demo\\.py$' README.md)" in ci
-    assert 'for py in "$py311" "$py312"; do' in ci and 'bash -c "$main_job"' in ci
+    assert 'for py in "$py311"; do' in ci and 'bash -c "$main_job"' in ci
 
 
 def test_docs_build_strict(tmp_path):

@@ -3,9 +3,10 @@
 - `import fp8ax` imports neither Haliax nor AQT nor Flax; an Equinox model trains without
   them; once the program imports Haliax, Haliax's own helpers recognise fp8ax's modules.
 - fp8ax's Haliax entry points fail with one clear error when Haliax cannot run on the
-  installed JAX. Haliax 1.4.dev453's `hax.dot` calls `jax.core.is_constant_dim`, which
-  jax 0.11 removed. On jax 0.10 the tests remove it themselves, so both CI runs check the
-  error.
+  installed JAX. Haliax 1.4.dev453's `hax.dot` (and marin-haliax 0.2.20's) calls
+  `jax.core.is_constant_dim`, which jax 0.11 removed. The tests take it away from where the
+  installed Haliax looks it up, so every CI run checks the error, whatever its versions.
+- The weight layout `fp8_all_gather` asks for is a sharding constraint with either Haliax.
 """
 
 import subprocess
@@ -55,10 +56,11 @@ _WITHOUT_HALIAX = textwrap.dedent(
 
     # Haliax imported later: its helpers know fp8ax's modules from the first fp8ax call on.
     import haliax.quantization as haxq
+    from fp8ax._haliax import overwrite_base
 
     fp8ax.partition_for_grad_overwrite(grads)
-    assert isinstance(dg, haxq.OverwriteWithGradient)
-    assert issubclass(fp8ax.Fp8DotGeneral, haxq.OverwriteWithGradient)
+    assert isinstance(dg, overwrite_base(haxq))
+    assert issubclass(fp8ax.Fp8DotGeneral, overwrite_base(haxq))
     print("ok")
     """
 )
@@ -71,17 +73,41 @@ def test_import_fp8ax_loads_no_haliax_aqt_or_flax():
 
 def test_haliax_helpers_recognise_fp8ax_modules():
     # This process imported Haliax before any fp8ax module was built (the usual order).
+    # Haliax's base class is `OverwriteWithGradient` in haliax 1.4.dev453 and marin-haliax
+    # 0.2.20, `CustomGradientAccumulation` in newer marin-haliax.
     import haliax.quantization as haxq
 
+    from fp8ax._haliax import overwrite_base
+
     dg = fp8ax.Fp8DotGeneral.init()
-    assert isinstance(dg, haxq.OverwriteWithGradient)
-    assert isinstance(fp8ax.Fp8RaggedDot.init(num_experts=2), haxq.OverwriteWithGradient)
+    assert isinstance(dg, overwrite_base(haxq))
+    assert isinstance(fp8ax.Fp8RaggedDot.init(num_experts=2), overwrite_base(haxq))
+    # Haliax's own helpers put fp8ax's state where they put theirs.
+    model = {"dg": dg, "w": jnp.ones(3)}
+    overwrite, rest = haxq.partition_for_grad_overwrite(model)
+    assert overwrite["dg"] is dg and overwrite["w"] is None and rest["dg"] is None
+    assert haxq.apply_updates(model, {"dg": None, "w": jnp.ones(3)}, overwrite)["dg"] is dg
+
+
+class _CoreWithout:
+    """A stand-in for a JAX core module without `is_constant_dim`; the rest is the module's."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        if name == "is_constant_dim":
+            raise AttributeError(f"module {self._module.__name__!r} has no attribute {name!r}")
+        return getattr(self._module, name)
 
 
 def _remove_is_constant_dim(mp: pytest.MonkeyPatch) -> None:
-    """Makes `jax.core.is_constant_dim` raise AttributeError, as on jax 0.11 and later.
+    """Makes `jax.core.is_constant_dim` raise AttributeError, as on jax 0.11 and later,
+    and the same where a newer marin-haliax looks it up (`haliax.jax_utils.jax_core`,
+    which is `jax._src.core`: a working `hax.dot` on jax 0.12).
 
-    jax 0.10 serves it as a deprecated name, through the module's `__getattr__`.
+    jax 0.10 serves `jax.core.is_constant_dim` as a deprecated name, through the module's
+    `__getattr__`.
     """
     if "is_constant_dim" in vars(jax.core):
         mp.delattr(jax.core, "is_constant_dim")
@@ -94,6 +120,10 @@ def _remove_is_constant_dim(mp: pytest.MonkeyPatch) -> None:
 
     mp.setattr(jax.core, "__getattr__", module_getattr, raising=False)
     assert not hasattr(jax.core, "is_constant_dim")
+    import haliax.jax_utils
+
+    if hasattr(haliax.jax_utils, "jax_core"):
+        mp.setattr(haliax.jax_utils, "jax_core", _CoreWithout(haliax.jax_utils.jax_core))
 
 
 @pytest.fixture
@@ -109,7 +139,8 @@ def _assert_names_the_fix(excinfo, entry):
     msg = str(excinfo.value)
     assert msg.startswith(f"{entry}: haliax "), msg
     assert f"on jax {jax.__version__}" in msg and "is_constant_dim" in msg, msg
-    assert 'pip install "jax>=0.10,<0.11"' in msg and ".[haliax]" in msg, msg
+    assert 'pip install "jax>=0.10,<0.11"' in msg and 'pip install -U "fp8ax[haliax]"' in msg, msg
+    assert "pip uninstall haliax" in msg, msg  # the old distribution, before marin-haliax
 
 
 def test_the_probe_agrees_with_the_test_suites_own():
@@ -151,3 +182,25 @@ def test_serving_a_haliax_model_names_the_versions(getkey):
             _assert_names_the_fix(excinfo, "fp8ax.ServingHaliaxLinear")
         finally:
             hax_dot_problem.cache_clear()
+
+
+@pytest.mark.parametrize("mapping", [{"Batch": "data"}, {"Mid": "data"}], ids=["replicated", "sharded"])
+def test_the_fp8_all_gather_layout_is_a_sharding_constraint(mapping):
+    # `fp8_all_gather` lays out a weight's FP8 bits as the compute axis mapping asks, so
+    # that the FSDP all-gather moves FP8. For FSDP that layout is replicated (the mapping
+    # names none of the weight's axes). marin-haliax's `hax.shard` emits a `reshard` for a
+    # spec that names no mesh axis, which on `Auto` axes constrains nothing; fp8ax asks
+    # for the constraint itself (the 8-device HLO check is test_sharding.py's
+    # `fp8_all_gather` case).
+    from fp8ax import _haliax
+
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    bits = jnp.zeros((4, 2), jnp.uint8)
+    with hax.partitioning.set_mesh(mesh), hax.axis_mapping(mapping):
+        jaxpr = jax.make_jaxpr(lambda b: _haliax.shard_by_axis_mapping(b, ("Mid", "In")))(bits)
+    assert [e.primitive.name for e in jaxpr.eqns] == ["sharding_constraint"], jaxpr
+    spec = tuple(jaxpr.eqns[0].params["sharding"].spec)
+    assert spec + (None,) * (2 - len(spec)) == (mapping.get("Mid"), None), jaxpr
+    # Without an axis mapping, nothing is constrained.
+    with hax.partitioning.set_mesh(mesh):
+        assert not jax.make_jaxpr(lambda b: _haliax.shard_by_axis_mapping(b, ("Mid", "In")))(bits).eqns

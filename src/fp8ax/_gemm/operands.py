@@ -67,10 +67,8 @@ def _lay_out_by_axis_mapping(q, axes: tuple[str, ...] | None):
         return q
     if _haliax.current_axis_mapping() is None:
         return q
-    hax = _haliax.hax()
     bits = lax.bitcast_convert_type(q, jnp.uint8)
-    named = hax.NamedArray(bits, tuple(hax.Axis(name, size) for name, size in zip(axes, q.shape)))
-    return lax.bitcast_convert_type(hax.shard(named).array, q.dtype)
+    return lax.bitcast_convert_type(_haliax.shard_by_axis_mapping(bits, axes), q.dtype)
 
 
 def _operand_for(call: Call, role: Role, x, axes, state=None, key=None, plan=None):
