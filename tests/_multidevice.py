@@ -309,13 +309,19 @@ def case_shard_map_pmean_or_psum_of_state_is_wrong():
     _, _, _, ours = _shard_map_grads(False, lambda g: fp8ax.pmean_gradients(g, "data"))
     amax = lambda g: float(g.layers[0].dot_general.lhs.amax_history[0])  # noqa: E731
     scale = lambda g: float(g.layers[0].dot_general.rhs.scale)  # noqa: E731
+    unit = lambda g: float(g.layers[0].dot_general.rhs.unit)  # noqa: E731
     assert amax(ours) == 30.0
     assert amax(mean) < 30.0  # the mean of the shard maxima
-    np.testing.assert_allclose(scale(summed), 8 * scale(ours), rtol=1e-6)  # 8 devices, the same weight
+    # A psum adds the state's units too (8 devices): the state reads as the mean of the
+    # shards' states, so the weight's (the same on every shard) is right, and an
+    # activation's amax is the mean of the shard maxima, below the global max.
+    assert unit(summed) == 8.0 and unit(ours) == 1.0
+    np.testing.assert_allclose(scale(summed), scale(ours), rtol=1e-6)
+    assert amax(summed) < 30.0
     return {
         "global_amax": amax(ours),
         "pmean_amax": amax(mean),
-        "psum_rhs_scale_over_pmax": scale(summed) / scale(ours),
+        "psum_amax": amax(summed),
     }
 
 

@@ -129,25 +129,37 @@ def test_first_step_state(getkey):
 
 @pytest.mark.needs_hax_dot
 def test_summing_or_last_microbatch_would_be_wrong(setup):
-    # Regression: what a plain tree sum (and the "last microbatch / k" bug) would give.
+    # What a plain tree sum and Levanter's accumulation (the last microbatch's state,
+    # divided by k with every gradient) give. The state's unit is summed (divided) with
+    # it, so neither scales the state: a sum reads as the mean of the microbatches'
+    # states, and the last microbatch divided by k reads as the last microbatch's own.
     model, x, y = setup
     parts = [eqx.filter_grad(_sum_loss)(model, xs, ys) for xs, ys in zip(_split(x, K), _split(y, K))]
     full_state, _ = fp8ax.partition_for_grad_overwrite(eqx.filter_grad(_sum_loss)(model, x, y))
     summed = jax.tree.map(lambda *g: sum(g[1:], g[0]), *parts)
     summed_state, _ = fp8ax.partition_for_grad_overwrite(summed)
     last_state, _ = fp8ax.partition_for_grad_overwrite(jax.tree.map(lambda g: g / K, parts[-1]))
+    part_state, _ = fp8ax.partition_for_grad_overwrite(parts[-1])
     want = full_state.up_proj.dot_general.rhs
-    # The kernel is the same in every microbatch: the sum is K times the real state.
-    np.testing.assert_array_equal(np.asarray(summed_state.up_proj.dot_general.rhs.scale), K * np.asarray(want.scale))
-    assert float(last_state.up_proj.dot_general.lhs.amax_history[0]) < float(
-        full_state.up_proj.dot_general.lhs.amax_history[0]
+    # The kernel is the same in every microbatch: its mean is the real state (K = 4: the
+    # sum and the division are exact).
+    np.testing.assert_array_equal(np.asarray(summed_state.up_proj.dot_general.rhs.scale), np.asarray(want.scale))
+    np.testing.assert_array_equal(np.asarray(summed_state.up_proj.dot_general.rhs.unit), K)
+    # An activation's amax differs between microbatches: the mean is below the full
+    # batch's, which is the max over microbatches (what `accumulate_gradients` keeps).
+    full_amax = float(full_state.up_proj.dot_general.lhs.amax_history[0])
+    assert float(summed_state.up_proj.dot_general.lhs.amax_history[0]) < full_amax
+    np.testing.assert_array_equal(
+        np.asarray(last_state.up_proj.dot_general.lhs.amax_history),
+        np.asarray(part_state.up_proj.dot_general.lhs.amax_history),
     )
+    assert float(last_state.up_proj.dot_general.lhs.amax_history[0]) <= full_amax
     merged = None
     for p in parts:
         merged = fp8ax.accumulate_gradients(merged, p)
-    np.testing.assert_array_equal(
-        np.asarray(fp8ax.partition_for_grad_overwrite(merged)[0].up_proj.dot_general.rhs.scale), np.asarray(want.scale)
-    )
+    merged_state = fp8ax.partition_for_grad_overwrite(merged)[0].up_proj.dot_general
+    np.testing.assert_array_equal(np.asarray(merged_state.rhs.scale), np.asarray(want.scale))
+    np.testing.assert_array_equal(np.asarray(merged_state.lhs.amax_history[0]), full_amax)
 
 
 def test_plain_arrays_and_an_unused_layer(getkey):
@@ -169,7 +181,7 @@ def test_plain_arrays_and_an_unused_layer(getkey):
     full = eqx.filter_grad(loss)(model, x, gy)
     for (path, a), (_, b) in zip(_leaves(got), _leaves(full), strict=True):
         np.testing.assert_array_equal(a, b, err_msg=path)
-    assert float(got.unused.lhs.scale) == 0.0  # "no observation"
+    assert float(got.unused.lhs.unit) == 0.0 and not bool(got.unused.lhs.written())  # "no observation"
     new = fp8ax.apply_updates(model, None, fp8ax.partition_for_grad_overwrite(got)[0])
     assert float(new.unused.lhs.scale) == 1.0 and float(new.used.lhs.amax_history[0]) == float(jnp.max(jnp.abs(x)))
 

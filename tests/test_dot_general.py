@@ -355,11 +355,17 @@ def test_bad_init_arguments():
         fp8ax.Fp8DotGeneral.init()(jnp.ones((2, 3)), jnp.ones((3, 2)), DIMS, preferred_element_type=jnp.int32)
 
 
-def test_bf16_state_is_refused():
+def test_bf16_state_is_read_in_float32_and_float16_refused():
+    # A cast of the whole model to bfloat16 (jmp, Levanter's mixed precision) is read
+    # back in float32 (a fresh state is exact in bfloat16); float16, whose range cannot
+    # hold every scale, is refused with the fix.
     dg = fp8ax.Fp8DotGeneral.init()
+    x, w = jnp.arange(6.0).reshape(2, 3), jnp.ones((3, 2))
     cast = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if eqx.is_array(a) else a, dg)
-    with pytest.raises(TypeError, match=r"FP8 state `lhs.scale` has dtype bfloat16.*fp8ax.cast_floating"):
-        cast(jnp.ones((2, 3)), jnp.ones((3, 2)), DIMS)
+    np.testing.assert_array_equal(np.asarray(cast(x, w, DIMS)), np.asarray(dg(x, w, DIMS)))
+    cast16 = jax.tree.map(lambda a: a.astype(jnp.float16) if eqx.is_array(a) else a, dg)
+    with pytest.raises(TypeError, match=r"FP8 state `lhs.scale` has dtype float16.*fp8ax.cast_floating"):
+        cast16(x, w, DIMS)
 
 
 def test_gemm_keywords_are_declared_once():

@@ -252,7 +252,10 @@ def test_bad_operands_are_errors():
         recipe.quantize_operands([fp8ax.Operand(x, (1,), recipe.fwd_dtype)])
     with pytest.raises(ValueError, match=r"`state` is required"):
         recipe.plan([state, None])
-    with pytest.raises(TypeError, match=r"`state` must be a `\(scale, amax_history\)` pair, got ScalingState"):
+    with pytest.raises(
+        TypeError,
+        match=r"`state` must be a `\(scale, amax_history, unit\)` triple or a `\(scale, amax_history\)` pair, got ScalingState",
+    ):
         recipe.plan([fp8ax.ScalingState.init(4)])
 
 

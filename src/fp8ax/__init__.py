@@ -33,6 +33,7 @@ from ._recipes.quantize import quantize as quantize
 
 # isort: split
 # modules and state
+from ._maxgrad import UnusedLayerWarning as UnusedLayerWarning
 from ._model import (
     Fp8DotGeneral as Fp8DotGeneral,
     Fp8Linear as Fp8Linear,

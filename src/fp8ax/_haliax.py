@@ -8,13 +8,20 @@ holds a Haliax object in hand imports it (`hax`, `hnn`, `haxq`). Modules other t
 one and the model layer reach Haliax through these functions.
 
 The first time Haliax is seen, fp8ax's `OverwriteWithGradient` is registered as a virtual
-subclass of Haliax's, so training code written against Haliax's helpers (Levanter's
-trainer, `haliax.quantization.partition_for_grad_overwrite` and `apply_updates`) treats
-fp8ax's modules as its own, as a real subclass did while Haliax was imported with fp8ax.
+subclass of Haliax's (`overwrite_base`: `OverwriteWithGradient`, which newer marin-haliax
+releases call `CustomGradientAccumulation`), so training code written against Haliax's
+helpers (Levanter's trainer, `haliax.quantization.partition_for_grad_overwrite` and
+`apply_updates`) treats fp8ax's modules as its own, as a real subclass did while Haliax was
+imported with fp8ax.
+
+Haliax is no dependency of fp8ax. Two distributions install the package `haliax`: the
+maintained `marin-haliax` (fp8ax's `haliax` extra, and what marin-levanter pins) and the
+old `haliax` (1.4.dev453, no longer released); fp8ax works with either.
 
 It also checks that the installed Haliax can run a named-axis matmul on the installed JAX.
-Haliax 1.4.dev453's `hax.dot`, which every `hax.nn.Linear` calls, uses
-`jax.core.is_constant_dim`, which jax 0.11 removed. A Haliax model then fails deep inside
+The `hax.dot` of Haliax 1.4.dev453 and of marin-haliax 0.2.20, which every `hax.nn.Linear`
+calls, uses `jax.core.is_constant_dim`, which jax 0.11 removed (newer marin-haliax releases
+run on jax 0.12). A Haliax model then fails deep inside
 Haliax with an `AttributeError` that names neither package's version. fp8ax's Haliax entry
 points (converting, serving a `hax.nn.Linear`) call `require_haliax_matmul` first, which
 tries one tiny `hax.dot` (once per process) and turns a failure into one error that says
@@ -31,6 +38,7 @@ from typing import TYPE_CHECKING, Any, TypeGuard
 
 import jax
 import jax.numpy as jnp
+from jax.core import Tracer
 
 if TYPE_CHECKING:
     import haliax.nn
@@ -53,6 +61,14 @@ def loaded() -> bool:
     return True
 
 
+def overwrite_base(q: ModuleType) -> type:
+    """Haliax's base class for state that a gradient overwrites, in `haliax.quantization`
+    `q`: `OverwriteWithGradient` in haliax 1.4.dev453 and marin-haliax 0.2.20,
+    `CustomGradientAccumulation` in newer marin-haliax (0.2.227)."""
+    base = getattr(q, "OverwriteWithGradient", None)
+    return base if base is not None else q.CustomGradientAccumulation
+
+
 @functools.cache
 def _register() -> None:
     import haliax.quantization as haxq
@@ -61,7 +77,7 @@ def _register() -> None:
     # of its own); ABCMeta's still records one, and only `isinstance` and `issubclass`
     # consult it, which is all Haliax's helpers ask.
     for cls in _OVERWRITE_CLASSES:
-        abc.ABCMeta.register(haxq.OverwriteWithGradient, cls)
+        abc.ABCMeta.register(overwrite_base(haxq), cls)
 
 
 def hax() -> ModuleType:
@@ -117,10 +133,10 @@ def is_moe_linear(x: Any) -> "TypeGuard[haliax.nn.MoELinear]":
 
 
 def is_overwrite_with_gradient(x: Any) -> bool:
-    """Whether `x` is a `haliax.quantization.OverwriteWithGradient`: Haliax's own FP8 and int8
+    """Whether `x` is an instance of Haliax's `overwrite_base`: Haliax's own FP8 and int8
     ops, and fp8ax's modules once registered."""
     q = _module("haliax.quantization")
-    return q is not None and isinstance(x, q.OverwriteWithGradient)
+    return q is not None and isinstance(x, overwrite_base(q))
 
 
 def current_axis_mapping():
@@ -128,15 +144,47 @@ def current_axis_mapping():
     return hax().partitioning.current_thread_local_mapping() if loaded() else None
 
 
+def shard_by_axis_mapping(x: jax.Array, axis_names: tuple[str, ...]) -> jax.Array:
+    """`x`, whose dimensions are the Haliax axes `axis_names`, constrained to the layout the
+    current axis mapping gives those names, as `hax.shard` lays out a `NamedArray`; `x`
+    itself without an axis mapping.
+
+    One case is not left to `hax.shard`. marin-haliax (0.2.20 to 0.2.227 at least) emits
+    `jax.sharding.reshard` instead of a sharding constraint when the partition spec names
+    no mesh axis, whatever the mesh's axis types: every named mesh axis is then
+    "explicit", vacuously. On a mesh with `Auto` axes `reshard` to a replicated layout
+    constrains nothing, so the constraint is lost (an FSDP weight, replicated for the
+    GEMM, is then gathered wherever XLA likes). Haliax 1.4.dev453 constrains. For a traced
+    `x` on a mesh that is not all `Explicit`, the replicated layout is asked for here with
+    `jax.lax.with_sharding_constraint`, with either Haliax.
+    """
+    mapping = current_axis_mapping()
+    if mapping is None:
+        return x
+    hx = hax()
+    axes = tuple(hx.Axis(name, size) for name, size in zip(axis_names, x.shape, strict=True))
+    spec = hx.partitioning.pspec_for_axis(axes, mapping)
+    mesh = jax.sharding.get_abstract_mesh()
+    names_no_mesh_axis = all(entry is None for entry in spec)
+    all_explicit = all(t == jax.sharding.AxisType.Explicit for t in mesh.axis_types)
+    if isinstance(x, Tracer) and names_no_mesh_axis and not mesh.empty and not all_explicit:
+        return jax.lax.with_sharding_constraint(x, spec)
+    return hx.shard(hx.NamedArray(x, axes)).array
+
+
 class HaliaxVersionError(RuntimeError):
     """The installed Haliax cannot run named-axis matmuls on the installed JAX."""
 
 
-def _installed(package: str) -> str:
-    try:
-        return _version(package)
-    except PackageNotFoundError:  # pragma: no cover (an import of the package worked)
-        return "unknown"
+def installed_haliax() -> str:
+    """The distribution that installed the package `haliax`, with its version:
+    "marin-haliax 0.2.20.dev202606180959" or "haliax 1.4.dev453" ("unknown" if neither)."""
+    for distribution in ("marin-haliax", "haliax"):
+        try:
+            return f"{distribution} {_version(distribution)}"
+        except PackageNotFoundError:
+            continue
+    return "unknown"  # pragma: no cover (an import of the package worked)
 
 
 @functools.cache
@@ -167,12 +215,62 @@ def require_haliax_matmul(entry: str) -> None:
     problem = hax_dot_problem()
     if problem is None:
         return
-    jax_version, haliax_version = jax.__version__, _installed("haliax")
+    jax_version = jax.__version__
     raise HaliaxVersionError(
-        f"{entry}: haliax {haliax_version} cannot run a named-axis matmul on jax {jax_version}, so no "
-        f"`hax.nn.Linear` can run, converted to FP8 or not (a tiny `hax.dot` raised {problem}). Haliax "
-        "1.4.dev453 calls `jax.core.is_constant_dim`, which jax 0.11 removed. Install jax 0.10 "
-        '(`pip install "jax>=0.10,<0.11"`, or fp8ax with its `haliax` extra: `pip install -e ".[haliax]"`), '
-        f"or a Haliax release that supports jax {jax_version}. Equinox models (`eqx.nn.Linear`) and "
-        "`fp8ax.Fp8DotGeneral` called directly work on this JAX."
+        f"{entry}: haliax ({installed_haliax()}) cannot run a named-axis matmul on jax {jax_version}, so "
+        f"no `hax.nn.Linear` can run, converted to FP8 or not (a tiny `hax.dot` raised {problem}). "
+        "Haliax 1.4.dev453 and marin-haliax 0.2.20 call `jax.core.is_constant_dim`, which jax 0.11 "
+        'removed. Install jax 0.10 (`pip install "jax>=0.10,<0.11"`), or the newest marin-haliax, which '
+        'runs on jax 0.12 (Python 3.12 or later: `pip install -U "fp8ax[haliax]"`; with the old `haliax` '
+        "distribution installed, `pip uninstall haliax` first, as both install the package `haliax`). "
+        "Equinox models (`eqx.nn.Linear`) and `fp8ax.Fp8DotGeneral` called directly work on this JAX."
     )
+
+
+def named_array_class() -> type | None:
+    """`haliax.NamedArray` if the program imported Haliax, else None."""
+    hx = _module("haliax")
+    return None if hx is None else hx.NamedArray
+
+
+@functools.cache
+def _named_layout() -> tuple[type, str]:
+    # marin-haliax's NamedArray holds `(array, axis_names)`, haliax 1.4's `(array, axes)`.
+    import dataclasses
+
+    cls = hax().NamedArray
+    return cls, [f.name for f in dataclasses.fields(cls)][1]
+
+
+@functools.lru_cache(maxsize=4096)
+def _axes_value(kind: str, axes: tuple[tuple[str, int], ...]) -> tuple:
+    if kind == "axis_names":
+        return tuple(name for name, _ in axes)
+    hx = hax()
+    return tuple(hx.Axis(name, size) for name, size in axes)
+
+
+def named(value: Any, axes: tuple[tuple[str, int], ...]) -> Any:
+    """`value` as a `haliax.NamedArray` with `axes` (name, size) pairs. `value` may be any
+    pytree leaf a transformation puts there (None, a `ShapeDtypeStruct`, a sharding).
+
+    Built the way Haliax's own unflatten builds one, without its checks (`axes` fit
+    `value` by construction): a model's state is flattened on every call of a jitted
+    step, and `NamedArray.__init__` costs some 40 times more."""
+    cls, kind = _named_layout()
+    out = object.__new__(cls)
+    object.__setattr__(out, "array", value)
+    object.__setattr__(out, kind, _axes_value(kind, axes))
+    return out
+
+
+def axis_pairs(x: Any) -> tuple[tuple[str, int], ...]:
+    """The `(name, size)` pairs of a `haliax.NamedArray`'s axes. marin-haliax keeps the
+    names only (`axis_names`; sizes from the array, 1 where it has no shape, such as
+    None); haliax 1.4 keeps `Axis` objects (`axes`)."""
+    names = getattr(x, "axis_names", None)
+    if names is None:
+        return tuple((ax.name, ax.size) for ax in x.axes)
+    shape = getattr(x.array, "shape", None)
+    sizes = tuple(shape) if shape is not None and len(shape) == len(names) else (1,) * len(names)
+    return tuple(zip(names, sizes))

@@ -248,6 +248,77 @@ _ad.deflinear2(_to_max_p, _transpose(lambda: _to_f32_p))
 _ad.deflinear2(_to_f32_p, _transpose(lambda: _to_max_p))
 
 
+class UnusedLayerWarning(UserWarning):
+    """An FP8 layer's state got no cotangent from the function being differentiated: the
+    training step never called the layer (see `watch_use`)."""
+
+
+def _warn_unused(label: str) -> None:
+    # Once per layer and process, by Python's default warning filter (the message names
+    # the layer).
+    import warnings
+
+    warnings.warn(
+        f"fp8ax: the FP8 layer `{label}` is never called by the function being differentiated, so "
+        "its FP8 state is never written, and whatever trains its weight does so in high precision. "
+        "If the model uses the layer's weight another way (Levanter's language models take "
+        "`lm_head`'s weight into their own loss and never call the layer), leave the layer out of "
+        f'the conversion: `fp8ax.Fp8Config(targets=lambda path, layer: path != "{label}")`. If only '
+        "some steps call it, nothing is wrong: `fp8ax.apply_updates` keeps its state.",
+        UnusedLayerWarning,
+        stacklevel=2,
+    )
+
+
+# Which layers a differentiated step never calls. JAX leaves no trace of an unused input
+# in the backward pass (its cotangent is a zero it never computes), so fp8ax keeps two
+# sets while a step is traced: the labelled states rebuilt from the inputs `jax.grad`
+# differentiates (`watch_use`, whose JVP rule runs for each), and the layers that were
+# called (`note_called`, from the layers' `__call__`, inside `lax.scan`, `lax.cond` and
+# `jax.checkpoint` bodies too). The backward pass starts after the forward pass is traced:
+# at the first transpose of a watched value, every watched layer that was never called
+# gets the warning. All of it runs while the step is traced (its first call): nothing at
+# run time, and the primitive lowers to nothing.
+_WATCHED: set[str] = set()
+_CALLED: set[str] = set()
+
+
+def note_called(label: str | None) -> None:
+    """Records that the layer named `label` was called (see `watch_use`)."""
+    if label is not None:
+        _CALLED.add(label)
+
+
+def _watch_jvp(primals, tangents, *, label):
+    _WATCHED.add(label)
+    (x,), (t,) = primals, tangents
+    return x, t if type(t) is _ad.Zero else _watch_p.bind(t, label=label)
+
+
+def _watch_transpose(ct, x, *, label):
+    del x, label
+    unused = sorted(_WATCHED - _CALLED)
+    _WATCHED.clear()
+    for name in unused:
+        _warn_unused(name)
+    return [ct]  # an identity: the input's cotangent is the output's
+
+
+_watch_p = _Primitive("fp8ax_watch_use")
+_watch_p.def_impl(lambda x, *, label: x)
+_watch_p.def_abstract_eval(lambda aval, *, label: aval)
+_mlir.register_lowering(_watch_p, _mlir.lower_fun(lambda x, *, label: x, multiple_results=False))
+_batching.primitive_batchers[_watch_p] = lambda args, dims, *, label: (_watch_p.bind(args[0], label=label), dims[0])
+_ad.primitive_jvps[_watch_p] = _watch_jvp
+_ad.primitive_transposes[_watch_p] = _watch_transpose
+
+
+def watch_use(x, label: str):
+    """`x` (a state value entering a differentiated function), watched for a step that
+    never calls its layer, named `label`."""
+    return _watch_p.bind(x, label=label)
+
+
 def to_max(x):
     """float32 -> MAXF32; the cotangent goes back to float32."""
     return _to_max_p.bind(x)

@@ -1,5 +1,6 @@
+import functools
 import weakref
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import equinox as eqx
 import jax
@@ -7,11 +8,12 @@ import jax.core
 import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
+from jax import lax
 
 from . import _haliax
 from ._boundaries import check_eager_shard_map
 from ._formats import select
-from ._maxgrad import as_f32, is_max, to_f32, to_max
+from ._maxgrad import as_f32, is_max, to_f32, to_max, watch_use
 
 
 class AbstractState:
@@ -53,7 +55,7 @@ class AbstractState:
     # `_values`: the arrays, in the max-accumulating form while traced; `_leaves`: their
     # float32 leaves where they are safe to hand out again (concrete values), None where
     # every flatten must make a fresh view (see `_enter`).
-    __slots__ = ("_values", "_leaves")
+    __slots__ = ("_values", "_leaves", "_axes", "_label")
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -69,9 +71,9 @@ class AbstractState:
         keys = tuple(jtu.GetAttrKey(name) for name in cls.fields)
         jtu.register_pytree_with_keys(
             cls,
-            lambda s: (tuple(zip(keys, (s._leaf(i) for i in range(len(keys))))), None),
-            lambda aux, children: cls(*children),
-            lambda s: (tuple(s._leaf(i) for i in range(len(keys))), None),
+            lambda s: (tuple(zip(keys, s._children())), s._label),
+            cls._rebuild,
+            lambda s: (s._children(), s._label),
         )
 
     def __init__(self, *values: Any):
@@ -81,13 +83,85 @@ class AbstractState:
             raise TypeError(
                 f"`{type(self).__name__}` takes {len(self.fields)} arrays {self.fields}, got {len(values)}."
             )
-        entered = [_enter(v) for v in values]
+        self._set(values, None)
+
+    def _set(self, values, label: str | None) -> None:
+        entered = [_enter(v, label) for v in values]
         object.__setattr__(self, "_values", tuple(v for v, _ in entered))
         object.__setattr__(self, "_leaves", tuple(leaf for _, leaf in entered))
+        object.__setattr__(self, "_axes", None)
+        object.__setattr__(self, "_label", label)
 
     def _leaf(self, i):
         leaf = self._leaves[i]
         return _view(self._values[i]) if leaf is None else leaf
+
+    # Named axes. The state of a Haliax layer flattens to `haliax.NamedArray`s: its
+    # stacked-layer dimensions carry the layer's own axis names (`layer` inside
+    # `haliax.nn.Stacked`), and each field's own dimensions are named `fp8ax_<field>`.
+    # Haliax's tools and the code written with them then treat the state as they treat
+    # the weights: `hax.tree_util.tree_map(lambda a: a["layer", i], stacked)` slices it
+    # (Levanter's generation), a batch reshape that looks for the batch axis leaves it
+    # alone (Levanter's gradient accumulation), `hax.shard` and axis mappings see names.
+    #
+    # `_axes` is None for an unnamed state (Equinox models), else one entry per field:
+    # its `(name, size)` pairs, or None for a field whose child is not a NamedArray (a
+    # filter such as `eqx.partition(..., is_leaf=is_named_array)` put None in its place).
+    # The names live in the children only: the node's static data stays None, so a state
+    # and its filtered or sliced copies have the same tree structure, as Haliax's own
+    # layers do (`haliax.nn.Stacked`'s scan combines a sliced copy with a filtered one).
+
+    def _children(self) -> tuple:
+        leaves = tuple(self._leaf(i) for i in range(len(self.fields)))
+        if self._axes is None:
+            return leaves
+        return tuple(v if ax is None else _haliax.named(v, _fit(ax, v)) for v, ax in zip(leaves, self._axes))
+
+    @classmethod
+    def _rebuild(cls, label, children) -> Self:
+        # The node's static data is the layer's name (see `_labelled`), or None.
+        named_array = _haliax.named_array_class()
+        if named_array is None or not any(isinstance(c, named_array) for c in children):
+            return cls._make(children, None, label)
+        values, axes = [], []
+        for child in children:
+            if isinstance(child, named_array):
+                pairs = _haliax.axis_pairs(child)
+                child = child.array
+                axes.append(_fit(pairs, child))
+            else:
+                axes.append(None)
+            values.append(child)
+        return cls._make(values, tuple(axes), label)
+
+    @classmethod
+    def _make(cls, values, axes, label) -> Self:
+        if label is None:
+            state = cls(*values)
+        else:  # (every field is given: a subclass's `__init__` has nothing to add)
+            state = object.__new__(cls)
+            state._set(values, label)
+        object.__setattr__(state, "_axes", axes)
+        return state
+
+    def _labelled(self, label: str) -> Self:
+        """This state, named `label` (its layer's path, set by the conversion):
+        differentiating a step that never calls the layer warns with it."""
+        return type(self)._make(self._values, self._axes, label)
+
+    def _named(self, batch_axes: tuple[tuple[str, int], ...]) -> Self:
+        """This state with named axes: `batch_axes` (`(name, size)` pairs) for its stacked
+        dimensions, `fp8ax_<field>` for each field's own."""
+        axes = []
+        for name, value, extra in zip(self.fields, self._values, self.entry_ndims):
+            own = np.shape(value)[len(np.shape(value)) - extra :] if extra else ()
+            suffix = [f"fp8ax_{name}" if extra == 1 else f"fp8ax_{name}_{j}" for j in range(extra)]
+            axes.append(tuple(batch_axes) + tuple(zip(suffix, own)))
+        return self._with_values(self._values, tuple(axes))
+
+    def _with_values(self, values, axes: Any = ...) -> Self:
+        """A state of this type holding `values`, with this state's axis names and label."""
+        return type(self)._make(values, self._axes if axes is ... else axes, self._label)
 
     @property
     def batch_shape(self) -> tuple[int, ...]:
@@ -121,7 +195,10 @@ class AbstractState:
         for old_v, new_v, extra in zip(self._values, new._values, self.entry_ndims):
             mask = jnp.reshape(used, (*jnp.shape(used), *(1,) * extra))
             out.append(select(mask, as_f32(new_v), as_f32(old_v)))
-        return type(self)(*out)
+        return self._with_values(out)
+
+
+_UNIT_ONE = object()
 
 
 class ScalingState(AbstractState):
@@ -132,6 +209,14 @@ class ScalingState(AbstractState):
       `q * scale` (the Flax/Haliax convention; TransformerEngine's `scale_inv`).
     - `amax_history`: float32, shape `(history_length,)` (or `(*batch, history_length)`),
       the newest amax at index 0. An entry of 0 means "nothing recorded".
+    - `unit`: float32, shape `()` (or `(*batch,)`): what the stored `scale` and
+      `amax_history` are multiples of. fp8ax writes 1 (and 0 for "nothing written"), and
+      reads the state as `scale / unit` and `amax_history / unit`. A training loop that
+      averages gradients over `k` microbatches by dividing every gradient leaf by `k`
+      (Levanter's) divides the new state and its unit alike, so the state it writes back
+      still reads the same. A `unit` of 0 (a state that is all zero, such as the zero
+      "gradient" of a layer the step did not call, written over the state by an update
+      that does not skip it) reads as a fresh state.
 
     The state [`fp8ax.DelayedScaling`][] owns (an [`fp8ax.AbstractState`][]). Both arrays
     are ordinary float32 pytree leaves: `eqx.filter_grad` differentiates them,
@@ -140,27 +225,54 @@ class ScalingState(AbstractState):
     [`fp8ax.AbstractState`][]).
     """
 
-    fields = ("scale", "amax_history")
-    entry_ndims = (0, 1)
+    fields = ("scale", "amax_history", "unit")
+    entry_ndims = (0, 1, 0)
     __slots__ = ()
 
-    def __init__(self, scale: Any, amax_history: Any):
-        super().__init__(scale, amax_history)
+    def __init__(self, scale: Any, amax_history: Any, unit: Any = _UNIT_ONE):
+        if unit is _UNIT_ONE:  # not given: 1, the unit fp8ax writes
+            unit = jnp.ones(np.shape(scale), jnp.float32)
+        super().__init__(scale, amax_history, unit)
 
     @classmethod
     def init(cls, history_length: int, batch_shape: tuple[int, ...] = ()) -> "ScalingState":
-        """Fresh state: scale 1, empty (all-zero) history."""
+        """Fresh state: scale 1, empty (all-zero) history, unit 1."""
         if isinstance(history_length, bool) or not isinstance(history_length, int | np.integer) or history_length < 1:
             raise ValueError(f"`history_length` must be an int >= 1, got {history_length!r}.")
         return cls(
             jnp.ones(batch_shape, jnp.float32),
             jnp.zeros((*batch_shape, history_length), jnp.float32),
+            jnp.ones(batch_shape, jnp.float32),
         )
 
+    @property
+    def scale(self) -> Any:
+        """The dequantisation scale this state stands for (the stored `scale` / `unit`)."""
+        return self._read()[0]
+
+    @property
+    def amax_history(self) -> Any:
+        """The amax history this state stands for (the stored history / `unit`)."""
+        return self._read()[1]
+
+    def _read(self) -> tuple:
+        # What the pytree leaves stand for (see `unit` in the class docstring). The leaves
+        # themselves, where every unit is 1 (what fp8ax writes); otherwise the division,
+        # with a unit of 0 read as a fresh state, as `DelayedScaling` reads it.
+        scale, history, unit = self._leaf(0), self._leaf(1), self._leaf(2)
+        if not all(hasattr(v, "shape") for v in (scale, history, unit)):
+            return scale, history
+        if not isinstance(unit, jax.core.Tracer) and bool(np.all(np.asarray(unit) == 1)):
+            return scale, history
+        written = unit != 0
+        inv = jnp.where(written, 1 / jnp.where(written, unit, 1), 0)
+        return jnp.where(written, scale * inv, 1), history * inv[..., None]
+
     def written(self):
-        # A call that observed nothing reports scale 0, and so does the zero cotangent of
-        # an unused layer; a real new scale is always > 0.
-        return as_f32(self._values[0]) > 0
+        # A call that observed nothing reports unit 0, and so does the zero cotangent of
+        # an unused layer; a call's new state has unit 1 (or 1/k after a loop divided
+        # every gradient by k).
+        return as_f32(self._values[2]) > 0
 
 
 # The invariant that makes reuse merge by max (docs/how-it-works.md, "Why the merge holds
@@ -193,15 +305,29 @@ def _remember(leaf, value) -> None:
     table[key] = (weakref.ref(leaf, lambda _: table.pop(key, None)), value)
 
 
-def _enter(x):
+# The tracers `jax.grad` (`jax.vjp`, `jax.linearize`) makes of the inputs it
+# differentiates: a state rebuilt from one of them is watched for use (`watch_use`).
+# Inside `lax.cond`, `lax.scan` and `jax.checkpoint` bodies the rebuild sees the body's own
+# tracers instead, so a layer used in one branch only is not reported by the other.
+_DIFFERENTIATED = ("JVPTracer", "LinearizeTracer")
+
+
+def _enter(x, label: str | None = None):
     """`(value, leaf)`: the value to compute with, and the float32 leaf to flatten it to
     (None: a fresh view at every flatten)."""
+    if getattr(x, "dtype", None) == jnp.bfloat16 and isinstance(x, jax.Array | np.ndarray):
+        # A cast of the whole model to bfloat16 (Levanter's and jmp's mixed precision
+        # cast every floating leaf): the state computes in float32 again. bfloat16 has
+        # float32's exponent range, so every scale and amax survives the round trip, to
+        # 8 significant bits; the new state goes back through the cast's transpose,
+        # rounded to bfloat16 the same way (docs/state.md, "Mixed precision").
+        x = lax.convert_element_type(x, np.float32)
     if isinstance(x, jax.core.Tracer) and x.dtype == np.float32:
         entry = _SOURCE_OF.get(id(x))
         if entry is not None and entry[0]() is x:
             return entry[1], None  # a view of a max-form value, or a tracer converted before
         check_eager_shard_map()
-        value = to_max(x)
+        value = to_max(x if label is None or type(x).__name__ not in _DIFFERENTIATED else watch_use(x, label))
         _remember(x, value)
         return value, None
     if is_max(x):
@@ -218,6 +344,26 @@ def _view(x):
     if isinstance(view, jax.core.Tracer):
         _remember(view, x)
     return view
+
+
+def _fit(axes: tuple, value: Any) -> tuple:
+    """`axes` ((name, size) pairs) for `value`: sizes from its shape where it has one;
+    where a transformation took leading (stacked) dimensions away (`vmap`, `scan`, an
+    index), the trailing names."""
+    shape = getattr(value, "shape", None)
+    if shape is None:
+        return tuple(axes)
+    return _fit_shape(tuple(axes), tuple(shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _fit_shape(axes: tuple, shape: tuple) -> tuple:
+    names = [n for n, _ in axes]
+    if len(shape) < len(names):
+        names = names[len(names) - len(shape) :]
+    elif len(shape) > len(names):
+        names = [f"fp8ax_dim_{j}" for j in range(len(shape) - len(names))] + names
+    return tuple(zip(names, shape))
 
 
 def _short(x) -> str:
@@ -255,6 +401,16 @@ class OverwriteWithGradient(eqx.Module):
 
     def __check_init__(self):
         _haliax.loaded()  # a module built after `import haliax` is one Haliax's helpers know
+
+    def accumulate(self, other):
+        """Merges this module's state "gradient" with another microbatch's, as
+        [`fp8ax.accumulate_gradients`][] does (state by `max`). Newer marin-haliax
+        (`CustomGradientAccumulation`, 0.2.227) calls it from
+        `haliax.quantization.accumulate_gradients`, first on an all-zero `self`, which is
+        the identity of `max`."""
+        from ._microbatch import accumulate_gradients
+
+        return accumulate_gradients(self, other)
 
 
 def is_owg(x: Any) -> bool:

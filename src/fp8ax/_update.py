@@ -205,7 +205,11 @@ def check_state(model, *, written: bool = False) -> None:
     if written and empty:
         raise ValueError(
             f"FP8 state {_listed(empty)} has observed nothing: its amax history is empty. Either the layer never ran "
-            "in the steps so far (then this is expected), or the training step dropped its new state: "
+            "in the steps so far, or the training step dropped its new state. A layer the training step never "
+            "calls (fp8ax warns with `fp8ax.UnusedLayerWarning` when it traces such a step) trains its weight, if "
+            "at all, in high precision: Levanter's language models, for one, take `lm_head`'s weight into their "
+            "own loss and never call the layer; leave such a layer out of the conversion "
+            '(`fp8ax.Fp8Config(targets=lambda path, layer: path != "lm_head")`). A dropped state: '
             "`eqx.apply_updates(model, updates)` after `fp8ax.partition_for_grad_overwrite` leaves the state as it "
             "was; write it with `model = fp8ax.apply_updates(model, updates, overwrite)`. (A step on an empty state "
             "calibrates on the tensor's own amax, so the training itself is right, but it never uses delayed "

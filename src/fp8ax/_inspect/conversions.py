@@ -256,4 +256,16 @@ def conversion_report(module: Any, config: Fp8Config | None = None) -> Conversio
         row = LayerConversion(p, _kind(node), *_other_sizes(node), (), "unsupported", _ATTENTION)
         at = next((i for i, r in enumerate(rows) if r.path.startswith(p + ".") or r.path == p), len(rows))
         rows.insert(at, row)
+    if callable(getattr(module, "get_lm_head", None)):
+        rows = [_lm_head_note(r) if r.path == "lm_head" and r.action == "convert" else r for r in rows]
     return ConversionReport(tuple(rows), config_problem(module, config, decisions), config)
+
+
+def _lm_head_note(row: LayerConversion) -> LayerConversion:
+    # Levanter's language models (`LmHeadModel`: `get_lm_head()`) compute their training
+    # loss from `lm_head`'s weight, not by calling the layer.
+    return dataclasses.replace(
+        row,
+        reason=row.reason + "; but Levanter's losses take `get_lm_head()`'s weight and never call this layer: "
+        "its FP8 state would never be written (leave it out: targets=lambda path, layer: path != 'lm_head')",
+    )

@@ -25,7 +25,7 @@ from .._gemm import (
     quantized_dot,
     settings_from,
 )
-from .._maxgrad import is_max
+from .._maxgrad import is_max, note_called
 from .._recipes import AbstractScalingRecipe
 from .._state import CORRUPT_STATE, AbstractState, OverwriteWithGradient
 from .advice import advise_gpu_compile
@@ -221,6 +221,7 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
     def _raw_state(self) -> tuple:
         if self.lhs is None:
             return ()
+        note_called(self.lhs._label)
         raw = []
         for name in ("lhs", "rhs", "grad"):
             state: AbstractState = getattr(self, name)
@@ -228,12 +229,34 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
                 if not (is_max(leaf) or getattr(leaf, "dtype", None) == np.float32):
                     raise TypeError(
                         f"FP8 state `{name}.{leaf_name}` has dtype {getattr(leaf, 'dtype', type(leaf).__name__)}, but "
-                        "must stay float32 (a bf16 amax or scale loses the precision the scaling needs). It was "
-                        "probably cast along with the model: cast with `fp8ax.cast_floating(model, dtype)`, which "
-                        "leaves FP8 state alone."
+                        "must be float32 or bfloat16 (whose float32 exponent range holds every scale and amax; "
+                        "float16 overflows above 65504 and flushes small scales to zero). It was probably cast "
+                        "along with the model: cast to bfloat16 instead (a mixed-precision policy such as jmp's "
+                        "`p=f32,c=bfloat16`), or with `fp8ax.cast_floating(model, dtype)`, which leaves FP8 state "
+                        "alone."
                     )
                 raw.append(leaf)
         return tuple(raw)
+
+    def _with_named_state(self, batch_axes: tuple[tuple[str, int], ...]) -> "Fp8DotGeneral":
+        """This op with its states' axes named (the state of a Haliax layer): `batch_axes`,
+        `(name, size)` pairs, for the stacked-layer dimensions (see `AbstractState`)."""
+        if self.lhs is None:
+            return self
+        states = tuple(cast(AbstractState, s)._named(batch_axes) for s in (self.lhs, self.rhs, self.grad))
+        return eqx.tree_at(
+            lambda m: (m.lhs, m.rhs, m.grad), self, states, is_leaf=lambda x: isinstance(x, AbstractState)
+        )
+
+    def _labelled(self, path: str) -> "Fp8DotGeneral":
+        """This op with its states named after the layer at `path` (for the warning about
+        a layer the training step never calls)."""
+        if self.lhs is None:
+            return self
+        states = tuple(cast(AbstractState, s)._labelled(path) for s in (self.lhs, self.rhs, self.grad))
+        return eqx.tree_at(
+            lambda m: (m.lhs, m.rhs, m.grad), self, states, is_leaf=lambda x: isinstance(x, AbstractState)
+        )
 
     def _overwritten_by(self, new: "Fp8DotGeneral") -> "Fp8DotGeneral":
         # Used by `apply_updates`: take the new state of every layer the step used.

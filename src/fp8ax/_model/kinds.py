@@ -72,10 +72,15 @@ def haliax_batch_shape(layer: hnn.Linear | hnn.MoELinear | Fp8MoELinear) -> tupl
     # Axes of the weight that are neither In nor Out (nor a mixture of experts' Experts):
     # the Block axes added by `haliax.nn.Stacked` (or an ensemble axis): one FP8 state per
     # stacked layer.
+    return tuple(size for _, size in haliax_batch_axes(layer))
+
+
+def haliax_batch_axes(layer: hnn.Linear | hnn.MoELinear | Fp8MoELinear) -> tuple[tuple[str, int], ...]:
+    """`haliax_batch_shape` with the axes' names: `(name, size)` pairs."""
     own = _axis_names(layer.In) | _axis_names(layer.Out)
     if isinstance(layer, Fp8MoELinear) or _haliax.is_moe_linear(layer):
         own |= _axis_names(layer.Experts)
-    return tuple(ax.size for ax in layer.weight.axes if ax.name not in own)
+    return tuple((ax.name, ax.size) for ax in layer.weight.axes if ax.name not in own)
 
 
 def path_str(path) -> str:

@@ -16,6 +16,7 @@ from .dot_general import Fp8DotGeneral
 from .kinds import (
     _axis_names,
     _is_fp8,
+    haliax_batch_axes,
     haliax_batch_shape,
     is_linear,
     layer_features,
@@ -57,15 +58,23 @@ def decide(path: str, layer: Any, config: Fp8Config) -> Decision:
     )
 
 
-def _converted(node, config: Fp8Config):
+def _converted(node, config: Fp8Config, path: str):
     if isinstance(node, eqx.nn.Linear):
-        return Fp8Linear.from_linear(node, config)
+        layer = Fp8Linear.from_linear(node, config)
+        return eqx.tree_at(
+            lambda m: m.dot_general,
+            layer,
+            layer.dot_general._labelled(path),
+            is_leaf=lambda x: isinstance(x, Fp8DotGeneral),  # (its traced leaves are fresh views)
+        )
     if _haliax.is_moe_linear(node):
         names = tuple(getattr(node, a).name for a in ("Experts", "In", "Out") if _haliax.is_axis(getattr(node, a)))
         return Fp8MoELinear.from_moe_linear(node, lambda bs, g: config.make_ragged_dot(bs, g, names))
     own = _axis_names(node.In) | _axis_names(node.Out)
     rhs_axes = tuple(ax.name for ax in node.weight.axes if ax.name in own)
-    return dataclasses.replace(node, dot_general=config.make_dot_general(haliax_batch_shape(node), rhs_axes))
+    dot_general = config.make_dot_general(haliax_batch_shape(node), rhs_axes)
+    dot_general = dot_general._with_named_state(haliax_batch_axes(node))._labelled(path)
+    return dataclasses.replace(node, dot_general=dot_general)
 
 
 def fp8_linear_layers(module: T, config: Fp8Config | None = None) -> T:
@@ -118,7 +127,7 @@ def fp8_linear_layers(module: T, config: Fp8Config | None = None) -> T:
             _haliax.require_haliax_matmul("fp8ax.fp8_linear_layers")
         d = decide(path_str(path), node, config)
         decisions.append(d)
-        return _converted(node, config) if d.action == "convert" else node
+        return _converted(node, config, d.path) if d.action == "convert" else node
 
     out = jtu.tree_map_with_path(convert, module, is_leaf=is_linear)
     problem = config_problem(module, config, decisions)

@@ -64,14 +64,45 @@ def _fenced(used, inv=None):
 
 def _required_states(states) -> list[Sequence[Array]]:
     """`states` as a list, checked: DelayedScaling quantises every operand with its
-    `(scale, amax_history)`."""
+    `(scale, amax_history, unit)` (a `ScalingState`'s fields), or a `(scale, amax_history)`
+    pair (unit 1)."""
     states = list(states)
     for state in states:
         if state is None:
             raise ValueError("`state` is required: DelayedScaling quantises with the state of the operand.")
-        if not (isinstance(state, tuple | list) and len(state) == 2):
-            raise TypeError(f"`state` must be a `(scale, amax_history)` pair, got {type(state).__name__}.")
+        if not (isinstance(state, tuple | list) and len(state) in (2, 3)):
+            raise TypeError(
+                "`state` must be a `(scale, amax_history, unit)` triple or a `(scale, amax_history)` pair, "
+                f"got {type(state).__name__}."
+            )
     return states
+
+
+def _read(state):
+    """The `(scale, amax_history)` a state stands for: the stored values divided by the
+    state's unit (see `ScalingState`). A unit of 0 (nothing written: an all-zero state)
+    reads as a fresh state, scale 1 and an empty history. A unit of 1 divides exactly;
+    a negative or NaN unit (the state went through an optimiser) reads as a corrupt
+    state, which the checks below see."""
+    if len(state) == 2:
+        return tuple(state)
+    scale, history, unit = state
+    written = lax.ne(unit, np.float32(0))
+    inv = _formats.select(written, _formats.reciprocal(unit), lax.full_like(unit, 0))
+    scale = _formats.select(written, lax.mul(scale, inv), lax.full_like(scale, 1))
+    return scale, lax.mul(history, lax.expand_dims(inv, (inv.ndim,)))
+
+
+def _read_np(state):
+    """`_read` on concrete values (NumPy)."""
+    scale, history = np.asarray(state[0], np.float32), np.asarray(state[1], np.float32)
+    if len(state) == 2:
+        return scale, history
+    unit = np.asarray(state[2], np.float32)
+    written = unit != 0
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = np.where(written, np.float32(1) / np.where(written, unit, np.float32(1)), np.float32(0))
+    return np.where(written, scale * inv, np.float32(1)), history * inv[..., None]
 
 
 class _Plan(NamedTuple):
@@ -205,27 +236,27 @@ class DelayedScaling(AbstractScalingRecipe):
         return ScalingState.init(self.history_length, batch_shape)
 
     def state_observed(self, state):
-        _, history = state
-        return np.max(np.asarray(history), axis=-1) > 0
+        _, history = _read_np(state)
+        return np.max(history, axis=-1) > 0
 
     def state_valid(self, state):
-        scale, history = (np.asarray(v) for v in state)
+        scale, history = _read_np(state)
         good_history = np.all(np.isfinite(history) & (history >= 0), axis=-1)
         return good_history & np.isfinite(scale) & (scale > 0)
 
     def serving_scale(self, state, dtype):
         # The scale the next call would use, from the history alone.
-        scale, history = state
+        scale, history = _read(tuple(jnp.asarray(v, jnp.float32) for v in state))
         return dataclasses.replace(self, calibrate_first_call=False).scale_for_call(
             scale, history, jnp.zeros((), jnp.float32), _formats.fp8_max(dtype)
         )
 
     def state_stats(self, state):
-        scale, history = (np.asarray(v) for v in state)
+        scale, history = _read_np(state)
         return {"scale": scale, "amax": history[..., 0], "amax_history_max": history.max(axis=-1)}
 
     def state_history(self, state):
-        return np.asarray(state[1])
+        return _read_np(state)[1]
 
     def _checked(self, amax, scale, fp8_max, *, finite_amax: bool = False):
         # One multiply by a float32 constant, `2**margin / fp8_max` rounded once. Flax's
@@ -241,6 +272,9 @@ class DelayedScaling(AbstractScalingRecipe):
         # 5.3e-36 for E4M3) to zero.
         factor = np.float32(2.0**self.margin) / np.asarray(fp8_max, np.float64)
         new = _formats.scale_from_amax(amax, factor.astype(np.float32))
+        # The scale kept when there is no amax is never 0 or corrupt: 1 then, as a
+        # fresh state's.
+        scale = _formats.select(_bad_scale(scale), lax.full_like(scale, 1), scale)
         if finite_amax and np.all(factor <= 1):
             # A finite amax times a factor <= 1 cannot overflow: only zero (an empty
             # history) remains.
@@ -302,7 +336,7 @@ class DelayedScaling(AbstractScalingRecipe):
         # The operands' states are stacked and computed on together (the same float32
         # operations, entry by entry): one reduction over the histories and one scalar
         # kernel for a call's scales on XLA:GPU, instead of two kernels per operand.
-        checked = _required_states(states)
+        checked = [_read(state) for state in _required_states(states)]
         if dtypes is not None and len(dtypes) != len(checked):
             raise ValueError(f"`dtypes` must give one format per state ({len(checked)}), got {len(dtypes)}.")
         plans: list[Any] = [None] * len(checked)
@@ -346,13 +380,14 @@ class DelayedScaling(AbstractScalingRecipe):
         # stores it). The price is that the cast depends on the tensor's amax on every
         # step, as in current scaling.
         operands = _as_operands(operands)
-        states = _required_states([op.state for op in operands])
+        stored = _required_states([op.state for op in operands])
+        states = [_read(state) for state in stored]
         if any(op.plan is None for op in operands):
             plans = self.plan([op.state for op in operands], [op.dtype for op in operands])
             plans = lax.optimization_barrier(plans)  # see `_fenced` (the pipeline does this itself)
             operands = [op._replace(plan=p) for op, p in zip(operands, plans)]
         results = []
-        for op, (scale, history) in zip(operands, states):  # (`_replace` keeps the order)
+        for op, state, (scale, history) in zip(operands, stored, states):  # (`_replace` keeps the order)
             p = op.plan
             fp8_max = _formats.fp8_max(op.dtype)
             if p.used is not None:
@@ -376,5 +411,13 @@ class DelayedScaling(AbstractScalingRecipe):
                 inv = None
             used, inv = _fenced(used, inv) if inv is None else (used, inv)
             values = _formats.quantize(op.x, used, op.dtype, inv=inv)
-            results.append((QuantizedArray(values, used), self.next_state(used, history, seen)))
+            new_state = self.next_state(used, history, seen)
+            if len(state) == 3:  # the unit: 1 where the call observed something (its new scale is > 0)
+                new_scale = new_state[0]
+                written = lax.gt(new_scale, np.float32(0))
+                new_state = (
+                    *new_state,
+                    _formats.select(written, lax.full_like(new_scale, 1), lax.full_like(new_scale, 0)),
+                )
+            results.append((QuantizedArray(values, used), new_state))
         return results
