@@ -140,12 +140,12 @@ def test_unused_layer_keeps_its_state(getkey):
         overwrite, grads = fp8ax.partition_for_grad_overwrite(eqx.filter_grad(loss)(m, head))
         return fp8ax.apply_updates(m, jax.tree.map(lambda g: -0.01 * g, grads), overwrite), overwrite
 
-    # Each step names the head it does not call, when it is traced.
+    # The first step names the head it does not call, when it is traced (a layer an earlier
+    # step called is not reported again: the warning is for a layer no step calls).
     with pytest.warns(fp8ax.UnusedLayerWarning, match="`head_a` is never called"):
         model, _ = step(model, "b")  # give head_b some state
     before = jax.tree.leaves(model.head_b.dot_general)
-    with pytest.warns(fp8ax.UnusedLayerWarning, match="`head_b` is never called"):
-        after_model, overwrite = step(model, "a")  # head_b unused this step
+    after_model, overwrite = step(model, "a")  # head_b unused this step
     for a, b in zip(before, jax.tree.leaves(after_model.head_b.dot_general)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert float(after_model.head_b.dot_general.lhs.scale) > 0.0

@@ -278,7 +278,8 @@ def _warn_unused(label: str) -> None:
 # `jax.checkpoint` bodies too). The backward pass starts after the forward pass is traced:
 # at the first transpose of a watched value, every watched layer that was never called
 # gets the warning. All of it runs while the step is traced (its first call): nothing at
-# run time, and the primitive lowers to nothing.
+# run time, and the primitive lowers to nothing. A layer that any earlier trace of the
+# process called is not reported: the warning is for a layer no step ever calls.
 _WATCHED: set[str] = set()
 _CALLED: set[str] = set()
 
