@@ -202,3 +202,19 @@ def test_errors(setup):
         fp8ax.microbatched("grad", 2)
     with pytest.raises(TypeError, match="`average` must be a bool"):
         fp8ax.microbatched(eqx.filter_grad(_sum_loss), 2, average=1)
+
+
+def test_module_accumulate_merges_state_by_max():
+    # Newer marin-haliax (`CustomGradientAccumulation`) calls `.accumulate` on the state
+    # "gradient" of each microbatch, the first time on an all-zero accumulator.
+    rng = np.random.default_rng(0)
+    base = fp8ax.Fp8DotGeneral.init()
+    a = jax.tree.map(lambda v: jnp.asarray(rng.uniform(0, 2, v.shape), v.dtype), base)
+    b = jax.tree.map(lambda v: jnp.asarray(rng.uniform(0, 2, v.shape), v.dtype), base)
+    merged = a.accumulate(b)
+    assert type(merged) is fp8ax.Fp8DotGeneral
+    for m, x, y in zip(jax.tree.leaves(merged), jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(m), np.maximum(np.asarray(x), np.asarray(y)))
+    zero = jax.tree.map(jnp.zeros_like, base)
+    for m, x in zip(jax.tree.leaves(zero.accumulate(a)), jax.tree.leaves(a), strict=True):
+        np.testing.assert_array_equal(np.asarray(m), np.asarray(x))

@@ -8,7 +8,7 @@ import jax.tree_util as jtu
 import numpy as np
 
 from . import _haliax
-from ._state import is_owg
+from ._state import is_owg, max_merge
 
 T = TypeVar("T")
 
@@ -78,16 +78,10 @@ def accumulate_gradients(acc: T | None, grads: T) -> T:
                 raise ValueError("`acc` and `grads` disagree on which leaves are None.")
             return None
         if is_owg(a):
-            return jtu.tree_map(_max_merge, a, g)
+            return jtu.tree_map(max_merge, a, g)
         return _add(a, g)
 
     return jtu.tree_map(merge, acc, grads, is_leaf=_is_leaf)
-
-
-def _max_merge(a, g):
-    if eqx.is_array(a):
-        return jnp.maximum(a, g)
-    return a
 
 
 def _add(a, g):

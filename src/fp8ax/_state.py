@@ -408,9 +408,14 @@ class OverwriteWithGradient(eqx.Module):
         (`CustomGradientAccumulation`, 0.2.227) calls it from
         `haliax.quantization.accumulate_gradients`, first on an all-zero `self`, which is
         the identity of `max`."""
-        from ._microbatch import accumulate_gradients
+        return jtu.tree_map(max_merge, self, other)
 
-        return accumulate_gradients(self, other)
+
+def max_merge(a, g):
+    """Merges two uses' (or microbatches') new state elementwise with `max`."""
+    if eqx.is_array(a):
+        return jnp.maximum(a, g)
+    return a
 
 
 def is_owg(x: Any) -> bool:
