@@ -109,7 +109,7 @@ def main(steps: int = 400, every: int | None = None, batch: int = 256, lr: float
         "fp8": fp8ax.cast_floating(fp8ax.fp8_linear_layers(model), jnp.bfloat16),
     }
 
-    opt = optax.adam(lr)
+    opt = fp8ax.skip_fp8_state(optax.adam(lr))  # the optimiser never sees the FP8 state
     step = make_step(opt)
     get_batch = eqx.filter_jit(make_batch)
     opt_states = {}

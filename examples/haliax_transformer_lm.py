@@ -232,7 +232,7 @@ def main(
         "fp8": fp8ax.cast_floating(fp8ax.fp8_linear_layers(model, config), jnp.bfloat16),
     }
 
-    opt = optax.adam(lr)
+    opt = fp8ax.skip_fp8_state(optax.adam(lr))  # the optimiser never sees the FP8 state
     step = make_step(opt)
     opt_states = {}
     for name, m in models.items():

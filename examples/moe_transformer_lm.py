@@ -139,7 +139,7 @@ def main(steps=300, batch=32, seq=64, embed=64, heads=4, layers=2, experts=4, to
         "bf16": fp8ax.cast_floating(model, jnp.bfloat16),
         "fp8": fp8ax.cast_floating(fp8ax.fp8_linear_layers(model, config), jnp.bfloat16),
     }
-    opt = optax.adam(lr)
+    opt = fp8ax.skip_fp8_state(optax.adam(lr))  # the optimiser never sees the FP8 state
     step = make_step(opt)
     opt_states = {name: opt.init(eqx.filter(m, eqx.is_array)) for name, m in models.items()}
 

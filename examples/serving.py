@@ -82,7 +82,7 @@ def main(steps=300, batch=32, seq=64, embed=64, heads=4, layers=2, lr=3e-3, seed
     }
 
     # Train both, as haliax_transformer_lm.py does (same batches, Adam).
-    opt = optax.adam(lr)
+    opt = fp8ax.skip_fp8_state(optax.adam(lr))  # the optimiser never sees the FP8 state
     step = make_step(opt)
     opt_states = {name: opt.init(eqx.filter(m, eqx.is_array)) for name, m in models.items()}
     get_batch = jax.jit(windows, static_argnums=(2, 3))

@@ -364,7 +364,7 @@ def test_bf16_state_is_read_in_float32_and_float16_refused():
     cast = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if eqx.is_array(a) else a, dg)
     np.testing.assert_array_equal(np.asarray(cast(x, w, DIMS)), np.asarray(dg(x, w, DIMS)))
     cast16 = jax.tree.map(lambda a: a.astype(jnp.float16) if eqx.is_array(a) else a, dg)
-    with pytest.raises(TypeError, match=r"FP8 state `lhs.scale` has dtype float16.*fp8ax.cast_floating"):
+    with pytest.raises(TypeError, match=r"FP8 state `lhs.data` has dtype float16.*fp8ax.cast_floating"):
         cast16(x, w, DIMS)
 
 

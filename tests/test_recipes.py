@@ -254,7 +254,7 @@ def test_bad_operands_are_errors():
         recipe.plan([state, None])
     with pytest.raises(
         TypeError,
-        match=r"`state` must be a `\(scale, amax_history, unit\)` triple or a `\(scale, amax_history\)` pair, got ScalingState",
+        match=r"`state` must be a `ScalingState`'s `\(data,\)`, a `\(scale, amax_history, unit\)` triple or a `\(scale, amax_history\)` pair, got ScalingState",
     ):
         recipe.plan([fp8ax.ScalingState.init(4)])
 

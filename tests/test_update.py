@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import warnings
 
 import equinox as eqx
 import haliax as hax
@@ -327,13 +328,14 @@ def test_skip_fp8_state_trains_the_same_with_no_moments_for_the_state(getkey, na
     with jax.numpy_dtype_promotion("standard"):
         state = skipping.init(eqx.filter(model, eqx.is_array))
         full = _OPTIMISERS[name]().init(eqx.filter(model, eqx.is_array))
-    history = model.layers[0].dot_general.lhs.amax_history.shape
-    assert not any(jnp.shape(v) == history for v in jax.tree.leaves(state))
-    assert any(jnp.shape(v) == history for v in jax.tree.leaves(full))
-    # Nine state arrays per FP8 layer (three operands' scale, amax history and unit), two
-    # layers: Adam's two moments of each are gone.
+    stored = jax.tree.leaves(model.layers[0].dot_general.lhs)[0].shape  # (unit, scale, history)
+    assert stored == (1024 + 2,)
+    assert not any(jnp.shape(v) == stored for v in jax.tree.leaves(state))
+    assert any(jnp.shape(v) == stored for v in jax.tree.leaves(full))
+    # Three state arrays per FP8 layer (one per operand), two layers: Adam's two moments
+    # of each are gone.
     if name == "adam":
-        assert len(jax.tree.leaves(full)) - len(jax.tree.leaves(state)) == 2 * 9 * 2
+        assert len(jax.tree.leaves(full)) - len(jax.tree.leaves(state)) == 2 * 3 * 2
 
 
 def test_skip_fp8_state_needs_an_optimiser():
@@ -448,21 +450,29 @@ def test_raw_gradient_through_the_optimiser_calibrates_and_check_state_reports_i
         fp8ax.scaling_stats(model)
 
 
+def _replaced(state, *, scale=None, amax_history=None):
+    """`state` with its scale or amax history replaced (a `ScalingState` keeps both in
+    one array)."""
+    return fp8ax.ScalingState(
+        state.scale if scale is None else scale, state.amax_history if amax_history is None else amax_history
+    )
+
+
 @pytest.mark.parametrize("bad", ["nan", "negative-scale", "zero-scale", "inf-history", "negative-entry"])
 def test_corrupt_state_values_calibrate_in_a_trace_and_are_an_error_eagerly(bad, getkey):
     dg = fp8ax.Fp8DotGeneral.init()
     x, w = jax.random.normal(getkey(), (4, 8)), jax.random.normal(getkey(), (8, 3))
     dims = (((1,), (0,)), ((), ()))
     dg(x, w, dims)  # a fresh state is fine
-    where, value = {
-        "nan": (lambda d: d.rhs.amax_history, jnp.full((16,), jnp.nan)),
-        "negative-scale": (lambda d: d.lhs.scale, jnp.float32(-0.5)),
-        "zero-scale": (lambda d: d.grad.scale, jnp.float32(0.0)),
-        "inf-history": (lambda d: d.lhs.amax_history, jnp.zeros(16).at[3].set(jnp.inf)),
+    role, field, value = {
+        "nan": ("rhs", "amax_history", jnp.full((16,), jnp.nan)),
+        "negative-scale": ("lhs", "scale", jnp.float32(-0.5)),
+        "zero-scale": ("grad", "scale", jnp.float32(0.0)),
+        "inf-history": ("lhs", "amax_history", jnp.zeros(16).at[3].set(jnp.inf)),
         # One negative entry in a filled history: its max is positive and finite.
-        "negative-entry": (lambda d: d.rhs.amax_history, jnp.full((16,), 2.0).at[5].set(-1e-3)),
+        "negative-entry": ("rhs", "amax_history", jnp.full((16,), 2.0).at[5].set(-1e-3)),
     }[bad]
-    broken = eqx.tree_at(where, dg, value)
+    broken = eqx.tree_at(lambda d: getattr(d, role), dg, _replaced(getattr(dg, role), **{field: value}))
     fresh = fp8ax.Fp8DotGeneral.init()
 
     def value_and_grads(d):  # the gradient's state is read in the backward pass
@@ -473,7 +483,6 @@ def test_corrupt_state_values_calibrate_in_a_trace_and_are_an_error_eagerly(bad,
     _assert_outputs_equal(dx, want_dx)
     # The new state of the corrupt operand is what a fresh one records (the history shifts
     # the corrupt entries along; the next write keeps them, and the check still reports them).
-    role = {"nan": "rhs", "negative-scale": "lhs", "zero-scale": "grad", "inf-history": "lhs"}.get(bad, "rhs")
     _assert_outputs_equal(getattr(new, role).amax_history[0], getattr(want_new, role).amax_history[0])
     _assert_outputs_equal(getattr(new, role).scale, getattr(want_new, role).scale)
     with pytest.raises(ValueError, match=f"FP8 state `{role}`.*fp8ax.apply_updates"):
@@ -662,10 +671,9 @@ def test_an_ensemble_fills_every_member_s_history(getkey):
 def test_a_corrupt_ensemble_member_calibrates_alone_and_is_named(getkey):
     ens, loss, step = _ensemble_flow(getkey)
     ens = step(ens)  # filled histories
+    rhs = ens.layers[1].dot_general.rhs
     broken = eqx.tree_at(
-        lambda m: m.layers[1].dot_general.rhs.amax_history,
-        ens,
-        ens.layers[1].dot_general.rhs.amax_history.at[2, 4].set(-1.0),
+        lambda m: m.layers[1].dot_general.rhs, ens, _replaced(rhs, amax_history=rhs.amax_history.at[2, 4].set(-1.0))
     )
     # Member 2's weight calibrates on itself, the others keep their delayed scales: the
     # loss differs from the intact ensemble's in member 2's term only.
@@ -676,3 +684,36 @@ def test_a_corrupt_ensemble_member_calibrates_alone_and_is_named(getkey):
     _assert_outputs_equal(got[:2], want[:2])
     with pytest.raises(ValueError, match=r"`model\.layers\[1\]\.dot_general\.rhs`"):
         fp8ax.check_state(broken)
+
+
+def test_an_optimiser_given_the_fp8_state_is_named_once(getkey, monkeypatch):
+    # A bare optimiser built from the whole model works on the zeros where the FP8 state
+    # is; `apply_updates` says so once per process, with the size and the fix, while the
+    # step is traced. `skip_fp8_state`'s updates, and no updates, say nothing.
+    import fp8ax._update as update
+
+    monkeypatch.setattr(update, "_WARNED_OPTIMIZER", [])
+    model = fp8ax.fp8_linear_layers(eqx.nn.MLP(8, 4, 16, 1, key=getkey()))
+    x = jax.random.normal(getkey(), (32, 8))
+    grads = eqx.filter_grad(lambda m: jnp.mean(jax.vmap(m)(x) ** 2))(model)
+    overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)
+
+    def step(opt):
+        @eqx.filter_jit
+        def run(model, opt_state):
+            updates, opt_state = opt.update(grads, opt_state, params=model)
+            return fp8ax.apply_updates(model, updates, overwrite), opt_state
+
+        with jax.numpy_dtype_promotion("standard"):  # (optax's step count is an int32)
+            return run(model, opt.init(eqx.filter(model, eqx.is_array)))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fp8ax.OptimizerStateWarning)
+        step(fp8ax.skip_fp8_state(optax.adam(1e-3)))
+        fp8ax.apply_updates(model, None, overwrite)
+    # Two layers, three state arrays each of 1024 + 2 float32.
+    with pytest.warns(fp8ax.OptimizerStateWarning, match=r"\(6 arrays, 24,624 bytes\).*fp8ax\.skip_fp8_state"):
+        step(optax.adam(1e-3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fp8ax.OptimizerStateWarning)
+        step(optax.sgd(1e-3))  # once per process

@@ -48,6 +48,7 @@ def calibrate(model: T, loss_fn: Callable[..., Any], batches: Iterable[Any]) -> 
         ```python
         model = fp8ax.fp8_linear_layers(model)
         model = fp8ax.calibrate(model, loss_fn, [(x1, y1), (x2, y2)])
+        opt = fp8ax.skip_fp8_state(optax.adam(1e-3))
         opt_state = opt.init(eqx.filter(model, eqx.is_array))
         ```
     """

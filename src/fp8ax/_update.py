@@ -1,14 +1,45 @@
+import warnings
 from typing import TypeVar
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import jax.tree_util as jtu
+import numpy as np
 import optax
 
 from ._state import is_owg
 
 T = TypeVar("T")
+
+
+class OptimizerStateWarning(UserWarning):
+    """The optimiser was given the FP8 state: it was built without
+    [`fp8ax.skip_fp8_state`][], so it keeps moments for the state (Adam, momentum, ...)
+    and updates them every step, for nothing. Raised once per process, while
+    [`fp8ax.apply_updates`][] is traced (or first called)."""
+
+
+_WARNED_OPTIMIZER: list[bool] = []  # (once per process)
+
+
+def _warn_optimizer(arrays: list) -> None:
+    """`arrays`: the optimiser's updates of FP8 state seen by one `apply_updates`."""
+    if _WARNED_OPTIMIZER or not arrays:
+        return
+    _WARNED_OPTIMIZER.append(True)
+    size = sum(int(np.size(v)) * 4 for v in arrays)
+    warnings.warn(
+        f"fp8ax: the optimiser's updates cover the FP8 state ({len(arrays)} arrays, {size:,} bytes): it was "
+        "built from the whole model (`opt.init(eqx.filter(model, eqx.is_array))`) and works on the state's zero "
+        "gradients every step, which `fp8ax.apply_updates` then ignores. An optimiser with moments keeps them "
+        f"for the state too (Adam: two copies, {2 * size:,} bytes) and updates them every step, about two small "
+        "kernels per state array, a cost GPUs feel most in small and medium layers. Build it with "
+        "`opt = fp8ax.skip_fp8_state(optax.adam(...))`: the same `init` and `update` calls, no moments and no "
+        "kernels for the state. (Raised once per process.)",
+        OptimizerStateWarning,
+        stacklevel=3,
+    )
 
 
 def partition_for_grad_overwrite(tree: T) -> tuple[T, T]:
@@ -30,11 +61,13 @@ def partition_for_grad_overwrite(tree: T) -> tuple[T, T]:
 
     `rest` has the structure of the model's arrays (`eqx.filter(model, eqx.is_array)`),
     so an optimiser state built from the whole model, as Equinox's examples build it,
-    matches it on every step:
+    matches it on every step. Wrap the optimiser in [`fp8ax.skip_fp8_state`][], so that
+    it keeps no moments for the FP8 state and spends no kernels on those zeros:
 
     !!! Example
 
         ```python
+        opt = fp8ax.skip_fp8_state(optax.adam(1e-3))
         opt_state = opt.init(eqx.filter(model, eqx.is_array))
 
         grads = eqx.filter_grad(loss_fn)(model, batch)
@@ -43,11 +76,9 @@ def partition_for_grad_overwrite(tree: T) -> tuple[T, T]:
         model = fp8ax.apply_updates(model, updates, overwrite)
         ```
 
-    The optimiser keeps moments for the FP8 state, all zero: 12,300 bytes per layer and
-    moment with the default history length (bench/optimizer_state.py). An optimiser
-    state built from
-    `partition_for_grad_overwrite(model)[1]`, as earlier versions of these docs did, has
-    the same structure.
+    Without the wrapper, the optimiser keeps moments for the FP8 state, all zero, and
+    updates them every step; [`fp8ax.apply_updates`][] then warns once
+    ([`fp8ax.OptimizerStateWarning`][]).
     """
     overwrite = jtu.tree_map(lambda x: x if is_owg(x) else None, tree, is_leaf=is_owg)
     rest = jtu.tree_map(lambda x: _untrained(x) if is_owg(x) else x, tree, is_leaf=is_owg)
@@ -122,6 +153,8 @@ def apply_updates(model: T, updates: T | None, overwrite: T | None) -> T:
         if is_owg(m):
             # `u` is what the optimiser made of the state's zero gradient (zero, or weight
             # decay): the state is written by `overwrite` alone.
+            if u is not None:
+                optimised.extend(v for v in jtu.tree_leaves(u) if eqx.is_array(v))
             if o is None:
                 return m
             merge = getattr(m, "_overwritten_by", None)
@@ -142,7 +175,10 @@ def apply_updates(model: T, updates: T | None, overwrite: T | None) -> T:
     def is_leaf(x):
         return x is None or is_owg(x)
 
-    return jtu.tree_map_with_path(_apply, model, updates, overwrite, is_leaf=is_leaf)
+    optimised: list = []
+    out = jtu.tree_map_with_path(_apply, model, updates, overwrite, is_leaf=is_leaf)
+    _warn_optimizer(optimised)
+    return out
 
 
 def check_state(model, *, written: bool = False) -> None:
@@ -226,8 +262,8 @@ def skip_fp8_state(optimizer: optax.GradientTransformation) -> optax.GradientTra
     """`optimizer`, keeping no state for the FP8 state of a converted model.
 
     An optimiser built from the whole model (`opt.init(eqx.filter(model, eqx.is_array))`)
-    keeps moments for every FP8 scale and amax history, all zero, and updates them on
-    every step: with Adam two elementwise kernels per state array, twelve per FP8 layer,
+    keeps moments for every FP8 state array, all zero, and updates them on every step:
+    with Adam two elementwise kernels per state array, six per FP8 layer,
     each too small to keep a GPU busy (on an H200 the decoder layer of docs/gpu.md spent
     about 3.5 ms more per step idle than Haliax's FP8, whose optimiser never sees the
     state). The wrapped optimiser takes the same arguments and returns updates of the same

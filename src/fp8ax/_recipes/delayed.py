@@ -13,8 +13,9 @@ from jaxtyping import Array, Float
 
 from .. import _formats
 from .._boundaries import vma
+from .._maxgrad import as_f32
 from .._quantized import QuantizedArray, ScaleLayout
-from .._state import ScalingState
+from .._state import ScalingState, pack_state, read_state, stored_parts, through_unit, unit_inverse
 from .base import AbstractScalingRecipe, Operand, _as_operands, _fwd_dtype, _grad_dtype, _no_merge
 
 
@@ -64,63 +65,56 @@ def _fenced(used, inv=None):
 
 def _required_states(states) -> list[Sequence[Array]]:
     """`states` as a list, checked: DelayedScaling quantises every operand with its
-    `(scale, amax_history, unit)` (a `ScalingState`'s fields), or a `(scale, amax_history)`
-    pair (unit 1)."""
+    state: `(data,)` (a `ScalingState`'s array: unit, scale, amax history), or
+    `(scale, amax_history, unit)`, or `(scale, amax_history)` (unit 1)."""
     states = list(states)
     for state in states:
         if state is None:
             raise ValueError("`state` is required: DelayedScaling quantises with the state of the operand.")
-        if not (isinstance(state, tuple | list) and len(state) in (2, 3)):
+        if not (isinstance(state, tuple | list) and len(state) in (1, 2, 3)):
             raise TypeError(
-                "`state` must be a `(scale, amax_history, unit)` triple or a `(scale, amax_history)` pair, "
-                f"got {type(state).__name__}."
+                "`state` must be a `ScalingState`'s `(data,)`, a `(scale, amax_history, unit)` triple or a "
+                f"`(scale, amax_history)` pair, got {type(state).__name__}."
             )
     return states
-
-
-def _read(state):
-    """The `(scale, amax_history)` a state stands for: the stored values divided by the
-    state's unit (see `ScalingState`). A unit of 0 (nothing written: an all-zero state)
-    reads as a fresh state, scale 1 and an empty history. A unit of 1 divides exactly;
-    a negative or NaN unit (the state went through an optimiser) reads as a corrupt
-    state, which the checks below see."""
-    if len(state) == 2:
-        return tuple(state)
-    scale, history, unit = state
-    written = lax.ne(unit, np.float32(0))
-    inv = _formats.select(written, _formats.reciprocal(unit), lax.full_like(unit, 0))
-    scale = _formats.select(written, lax.mul(scale, inv), lax.full_like(scale, 1))
-    return scale, lax.mul(history, lax.expand_dims(inv, (inv.ndim,)))
-
-
-def _read_np(state):
-    """`_read` on concrete values (NumPy)."""
-    scale, history = np.asarray(state[0], np.float32), np.asarray(state[1], np.float32)
-    if len(state) == 2:
-        return scale, history
-    unit = np.asarray(state[2], np.float32)
-    written = unit != 0
-    with np.errstate(divide="ignore", invalid="ignore"):
-        inv = np.where(written, np.float32(1) / np.where(written, unit, np.float32(1)), np.float32(0))
-    return np.where(written, scale * inv, np.float32(1)), history * inv[..., None]
 
 
 class _Plan(NamedTuple):
     """Delayed scaling's plan for one operand of a call."""
 
     calibrates: Array | None  # the operand's flag "calibrates" (None without `calibrate_first_call`)
+    inv_unit: Array  # `unit_inverse` of the state's unit, which reads the stored values
+    scale: Array  # the scale the state stands for
     longest: Array | None  # the history's max (None where the delayed scale is planned)
     lowest: Array | None  # and min
     used: Array | None = None  # the delayed scale, from the state alone (None if planned without formats)
     inv: Array | None = None  # and its reciprocal, the cast's multiplier
 
 
-def _groups(states) -> list[list[int]]:
+class _Stored(NamedTuple):
+    """One operand's state as stored (see `stored_parts`)."""
+
+    unit: Array
+    scale: Array
+    history: Array
+
+
+def _through_unit(inv, scale, longest, lowest):
+    """The scale and the history's bounds a state stands for, from the stored ones and
+    the `unit_inverse` of its unit (see `through_unit`); a negative or NaN unit reads as
+    a corrupt history (a NaN max). Reading the bounds instead of the history (the max of
+    a history times a positive number is its max times it) keeps the arithmetic on a few
+    scalars."""
+    longest = _formats.select(lax.ge(inv, np.float32(0)), through_unit(inv, longest, 0), lax.full_like(longest, np.nan))
+    return through_unit(inv, scale, 1), longest, through_unit(inv, lowest, 0)
+
+
+def _groups(states: list[_Stored]) -> list[list[int]]:
     """Indices of `states` that can be stacked into one array: the same shapes and, inside
     `jax.shard_map`, the same manual axes (in order of first appearance)."""
     groups: dict[Any, list[int]] = {}
-    for i, (scale, history) in enumerate(states):
-        key = (jnp.shape(scale), jnp.shape(history), vma(scale), vma(history))
+    for i, st in enumerate(states):
+        key = (jnp.shape(st.scale), jnp.shape(st.history), vma(st.scale), vma(st.history), vma(st.unit))
         groups.setdefault(key, []).append(i)
     return list(groups.values())
 
@@ -236,27 +230,27 @@ class DelayedScaling(AbstractScalingRecipe):
         return ScalingState.init(self.history_length, batch_shape)
 
     def state_observed(self, state):
-        _, history = _read_np(state)
+        _, history = read_state(tuple(state))
         return np.max(history, axis=-1) > 0
 
     def state_valid(self, state):
-        scale, history = _read_np(state)
+        scale, history = read_state(tuple(state))
         good_history = np.all(np.isfinite(history) & (history >= 0), axis=-1)
         return good_history & np.isfinite(scale) & (scale > 0)
 
     def serving_scale(self, state, dtype):
         # The scale the next call would use, from the history alone.
-        scale, history = _read(tuple(jnp.asarray(v, jnp.float32) for v in state))
+        scale, history = (jnp.asarray(v, jnp.float32) for v in read_state(tuple(state)))
         return dataclasses.replace(self, calibrate_first_call=False).scale_for_call(
             scale, history, jnp.zeros((), jnp.float32), _formats.fp8_max(dtype)
         )
 
     def state_stats(self, state):
-        scale, history = _read_np(state)
+        scale, history = read_state(tuple(state))
         return {"scale": scale, "amax": history[..., 0], "amax_history_max": history.max(axis=-1)}
 
     def state_history(self, state):
-        return _read_np(state)[1]
+        return read_state(tuple(state))[1]
 
     def _checked(self, amax, scale, fp8_max, *, finite_amax: bool = False):
         # One multiply by a float32 constant, `2**margin / fp8_max` rounded once. Flax's
@@ -336,17 +330,29 @@ class DelayedScaling(AbstractScalingRecipe):
         # The operands' states are stacked and computed on together (the same float32
         # operations, entry by entry): one reduction over the histories and one scalar
         # kernel for a call's scales on XLA:GPU, instead of two kernels per operand.
-        checked = [_read(state) for state in _required_states(states)]
-        if dtypes is not None and len(dtypes) != len(checked):
-            raise ValueError(f"`dtypes` must give one format per state ({len(checked)}), got {len(dtypes)}.")
-        plans: list[Any] = [None] * len(checked)
-        for idx in _groups(checked):
-            scales = _formats.stack([checked[i][0] for i in idx])
-            histories = _formats.stack([checked[i][1] for i in idx], axis=-2)
-            longest, lowest = _history_bounds(histories)
+        states = _required_states(states)
+        stored = [_Stored(*stored_parts(tuple(state))) for state in states]
+        if dtypes is not None and len(dtypes) != len(stored):
+            raise ValueError(f"`dtypes` must give one format per state ({len(stored)}), got {len(dtypes)}.")
+        plans: list[Any] = [None] * len(stored)
+        for idx in _groups(stored):
+            if all(len(states[i]) == 1 for i in idx):
+                # `ScalingState`s: their arrays stacked once, then sliced (one kernel).
+                datas = _formats.stack([as_f32(jnp.asarray(states[i][0])) for i in idx], axis=-2)
+                units, scales, histories = stored_parts((datas,))
+            else:
+                units = _formats.stack([stored[i].unit for i in idx])
+                scales = _formats.stack([stored[i].scale for i in idx])
+                histories = _formats.stack([stored[i].history for i in idx], axis=-2)
+            inv_units = unit_inverse(units)
+            scales, longest, lowest = _through_unit(inv_units, scales, *_history_bounds(histories))
             used = inv = None
             if dtypes is not None:
-                past = self._past_amax(histories, longest)
+                if self.amax_compute_algo == "max":
+                    past = longest
+                else:
+                    newest = lax.index_in_dim(histories, 0, axis=histories.ndim - 1, keepdims=False)
+                    past = through_unit(inv_units, newest, 0)
                 past = _formats.select(lax.ge(lowest, np.float32(0)), past, lax.full_like(longest, 0))
                 used = self._checked(past, scales, tuple(_formats.fp8_max(dtypes[i]) for i in idx))
                 inv = _formats.reciprocal(used)
@@ -354,6 +360,8 @@ class DelayedScaling(AbstractScalingRecipe):
             for k, i in enumerate(idx):
                 plans[i] = _Plan(
                     None if flags is None else _column(flags, k),
+                    _column(inv_units, k),
+                    _column(scales, k),
                     None if used is not None else _column(longest, k),
                     None if used is not None else _column(lowest, k),
                     None if used is None else _column(used, k),
@@ -380,22 +388,24 @@ class DelayedScaling(AbstractScalingRecipe):
         # stores it). The price is that the cast depends on the tensor's amax on every
         # step, as in current scaling.
         operands = _as_operands(operands)
-        stored = _required_states([op.state for op in operands])
-        states = [_read(state) for state in stored]
+        states = _required_states([op.state for op in operands])
         if any(op.plan is None for op in operands):
-            plans = self.plan([op.state for op in operands], [op.dtype for op in operands])
+            plans = self.plan(states, [op.dtype for op in operands])
             plans = lax.optimization_barrier(plans)  # see `_fenced` (the pipeline does this itself)
             operands = [op._replace(plan=p) for op, p in zip(operands, plans)]
         results = []
-        for op, state, (scale, history) in zip(operands, stored, states):  # (`_replace` keeps the order)
-            p = op.plan
+        for op, state in zip(operands, states):  # (`_replace` keeps the order)
+            p, stored = op.plan, _Stored(*stored_parts(tuple(state)))
             fp8_max = _formats.fp8_max(op.dtype)
             if p.used is not None:
                 used, inv = p.used, p.inv  # planned from the state alone
             else:  # a plan made without the formats
-                past = self._past_amax(history, p.longest)
+                if self.amax_compute_algo == "max":
+                    past = p.longest
+                else:
+                    past = through_unit(p.inv_unit, _column(stored.history, 0), 0)
                 past = _formats.select(lax.ge(p.lowest, np.float32(0)), past, lax.full_like(p.longest, 0))
-                used = self._checked(past, scale, fp8_max)
+                used = self._checked(past, p.scale, fp8_max)
                 inv = None
             # One observation for the whole call: under `vmap` and `shard_map`, the max
             # over the examples and shards the state does not vary over.
@@ -406,18 +416,16 @@ class DelayedScaling(AbstractScalingRecipe):
                 # fp8ax raises on it wherever it sees the state's values
                 # (`fp8ax.check_state`).
                 # (A corrupt scale is no fallback for a tensor that observes nothing: 1.)
-                fallback = _formats.select(_bad_scale(scale), lax.full_like(scale, 1), scale)
+                fallback = _formats.select(_bad_scale(p.scale), lax.full_like(p.scale, 1), p.scale)
                 used = _formats.select(p.calibrates, self._checked(seen, fallback, fp8_max), used)
                 inv = None
             used, inv = _fenced(used, inv) if inv is None else (used, inv)
             values = _formats.quantize(op.x, used, op.dtype, inv=inv)
-            new_state = self.next_state(used, history, seen)
-            if len(state) == 3:  # the unit: 1 where the call observed something (its new scale is > 0)
-                new_scale = new_state[0]
-                written = lax.gt(new_scale, np.float32(0))
-                new_state = (
-                    *new_state,
-                    _formats.select(written, lax.full_like(new_scale, 1), lax.full_like(new_scale, 0)),
-                )
+            history = through_unit(lax.expand_dims(p.inv_unit, (p.inv_unit.ndim,)), stored.history, 0)
+            new_scale, new_history = self.next_state(used, history, seen)
+            new_state: tuple = (new_scale, new_history)
+            if len(state) != 2:  # the unit: 1 where the call observed something (its new scale is > 0)
+                unit = lax.convert_element_type(lax.gt(new_scale, np.float32(0)), np.float32)
+                new_state = (pack_state(unit, new_scale, new_history),) if len(state) == 1 else (*new_state, unit)
             results.append((QuantizedArray(values, used), new_state))
         return results
