@@ -164,12 +164,13 @@ def case_global_amax():
     x = hax.NamedArray(x.array.at[N - 3, 5].set(50.0), x.axes)
     compute, params = LAYOUTS["fsdp_tp"]
     _, model, _ = _train_sharded(_model(), x, y, compute, params)
-    hist = model.blocks.stacked.mlp.up_proj.dot_general.lhs.amax_history
-    assert float(hist[0, 0]) == 50.0, float(hist[0, 0])
-    for shard in hist.addressable_shards:
-        np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(hist))
-    single_hist = _train_single(_model(), x, y)[1].blocks.stacked.mlp.up_proj.dot_general.lhs.amax_history
-    np.testing.assert_array_equal(np.asarray(hist), np.asarray(single_hist))
+    state = model.blocks.stacked.mlp.up_proj.dot_general.lhs
+    assert float(state.amax_history[0, 0]) == 50.0, float(state.amax_history[0, 0])
+    data = jax.tree.leaves(state)[0]  # the stored array, as the step left it on the devices
+    for shard in data.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), np.asarray(data))
+    single = _train_single(_model(), x, y)[1].blocks.stacked.mlp.up_proj.dot_general.lhs
+    np.testing.assert_array_equal(np.asarray(data), np.asarray(jax.tree.leaves(single)[0]))
 
 
 def _gathers_after_partitioning(name):

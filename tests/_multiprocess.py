@@ -184,7 +184,8 @@ class HaliaxCase:
         return jax.tree.map(sds, arrays(tree), shard, is_leaf=lambda x: isinstance(x, hax.NamedArray))
 
     def amax_state(self, model):
-        return model.blocks.stacked.mlp.up_proj.dot_general.lhs.amax_history  # [Layers, history]
+        # The stored array ([Layers, unit + scale + history]), sharded as it is trained.
+        return jax.tree.leaves(model.blocks.stacked.mlp.up_proj.dot_general.lhs)[0]
 
 
 # ------------------------------------------------------------------------------------
@@ -253,7 +254,7 @@ class EquinoxCase:
         return jax.tree_util.tree_map_with_path(sds, arrays(tree))
 
     def amax_state(self, model):
-        return model.layers[0].dot_general.lhs.amax_history  # [history]
+        return jax.tree.leaves(model.layers[0].dot_general.lhs)[0]  # [unit + scale + history]
 
 
 _CASES = {}
@@ -300,8 +301,11 @@ def phase_train(models):
         x = x.array if isinstance(x, hax.NamedArray) else x
         local_max = max(float(np.max(np.abs(np.asarray(s.data)))) for s in x.addressable_shards)
         hist = case.amax_state(model)
-        # The newest entries come first; a stacked history's first row is the first block.
-        recorded = [np.asarray(s.data).reshape(-1, hist.shape[-1])[0, :STEPS].tolist() for s in hist.addressable_shards]
+        # The newest entries come first, after the unit and the scale; a stacked state's
+        # first row is the first block.
+        recorded = [
+            np.asarray(s.data).reshape(-1, hist.shape[-1])[0, 2 : 2 + STEPS].tolist() for s in hist.addressable_shards
+        ]
         info[name] = {
             "local_input_max": local_max,
             "recorded_input_amax": recorded,

@@ -18,7 +18,6 @@ mark `--8<--` includes: those files are examples, which run on their own.
 """
 
 import importlib.util
-import os
 import pathlib
 import re
 import subprocess
@@ -47,17 +46,29 @@ def test_there_are_examples():
 
 # The examples and the docs' blocks follow the documented path: an optimiser that never
 # sees the FP8 state (`fp8ax.skip_fp8_state`). `fp8ax.apply_updates` warns when it does;
-# here that is an error.
-# (An environment variable, so that the processes an example starts inherit it.)
-DOCUMENTED_PATH = {**os.environ, "PYTHONWARNINGS": "error::fp8ax.OptimizerStateWarning"}
+# here that is an error. (A `-W` option or PYTHONWARNINGS cannot name fp8ax's warning:
+# Python reads them before the site packages, fp8ax among them, can be imported.)
+DOCUMENTED_PATH = "import warnings, fp8ax; warnings.simplefilter('error', fp8ax.OptimizerStateWarning)"
+# `python path args` after that: the script's folder first on sys.path, as Python puts it.
+AS_A_SCRIPT = (
+    "import os, runpy, sys; sys.argv = sys.argv[1:]; sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0]))); "
+    "runpy.run_path(sys.argv[0], run_name='__main__')"
+)
 
 
 def _run_example(path, *args, cwd):
     # Run in a scratch directory, so an example that writes files (a plot) leaves the checkout clean.
     proc = subprocess.run(
-        [sys.executable, str(path), "--steps", "3", *args],
+        [
+            sys.executable,
+            "-c",
+            f"{DOCUMENTED_PATH}; {AS_A_SCRIPT}",
+            str(path),
+            "--steps",
+            "3",
+            *args,
+        ],
         cwd=cwd,
-        env=DOCUMENTED_PATH,
         capture_output=True,
         text=True,
         timeout=300,
@@ -273,7 +284,7 @@ def _runnable_code(page) -> str:
 def test_runnable_doc_blocks(page, tmp_path):
     blocks = runnable_blocks(page.read_text())
     assert blocks
-    script, spans = [], []  # spans: (first script line, last script line, page line) per block
+    script, spans = [DOCUMENTED_PATH], []  # spans: (first script line, last script line, page line) per block
     for page_line, code in blocks:
         script.append(f"# --- {_page_id(page)}, block at line {page_line} ---")
         start = len(script) + 1
@@ -281,9 +292,7 @@ def test_runnable_doc_blocks(page, tmp_path):
         spans.append((start, len(script), page_line))
     path = tmp_path / "doc_blocks.py"
     path.write_text("\n".join(script) + "\n")
-    proc = subprocess.run(
-        [sys.executable, str(path)], cwd=tmp_path, env=DOCUMENTED_PATH, capture_output=True, text=True, timeout=240
-    )
+    proc = subprocess.run([sys.executable, str(path)], cwd=tmp_path, capture_output=True, text=True, timeout=240)
     if proc.returncode != 0:
         failing = [int(n) for n in re.findall(rf'File "{re.escape(str(path))}", line (\d+)', proc.stderr)]
         where = "an unknown block"

@@ -112,13 +112,16 @@ def test_two_processes_match_one_and_orbax_resumes(tmp_path):
     print(f"2 processes: {t1 - t0:.1f} s, 1 process and the resume: {t2 - t1:.1f} s")
 
     assert _children_of(tmp_path) == [], "a worker outlived its run"
-    runs = {name: np.load(tmp_path / f"{name}.npz") for name in ("process0", "process1", "single")}
+    runs = {}
+    for name in ("process0", "process1", "single"):  # read whole, so a failed assertion leaves no file open
+        with np.load(tmp_path / f"{name}.npz") as f:
+            runs[name] = {k: f[k] for k in f.files}
     single = runs["single"]
     for model in models:
-        keys = [k for k in single.files if k.startswith(f"{model}/")]
+        keys = [k for k in single if k.startswith(f"{model}/")]
         assert any("dot_general.lhs" in k for k in keys) and any("opt_state" in k for k in keys), keys
         for name in ("process0", "process1"):
-            assert sorted(k for k in runs[name].files if k.startswith(f"{model}/")) == sorted(keys)
+            assert sorted(k for k in runs[name] if k.startswith(f"{model}/")) == sorted(keys)
             # Every leaf, bit for bit: parameters, FP8 state, optimiser state, losses.
             differ = [k for k in keys if not _bitwise_equal(runs[name][k], single[k])]
             assert not differ, f"{model}: {name} differs from one process with 8 devices in {differ}"

@@ -22,8 +22,9 @@ B, IN, OUT = 64, 32, 16
 
 def _largest_intermediate(jaxpr) -> tuple[int, str]:
     """The largest array any equation of `jaxpr` (sub-jaxprs included) produces, leaving
-    out the amax histories (last axis 1024, the default length: a layer's histories
-    are stacked into one (3, 1024) array, which is state, not data)."""
+    out the FP8 state (last axis 1024 + 2, a `ScalingState`'s array with the default
+    history length, or 1024, its history: a layer's states are stacked into one
+    (3, 1026) array, which is state, not data)."""
     best = (0, "")
 
     def visit(jx):
@@ -31,7 +32,7 @@ def _largest_intermediate(jaxpr) -> tuple[int, str]:
         for eqn in jx.eqns:
             for v in eqn.outvars:
                 shape = getattr(v.aval, "shape", ())
-                if shape[-1:] == (1024,):
+                if shape[-1:] in ((1024,), (1026,)):
                     continue
                 size = int(np.prod(shape))
                 if size > best[0]:

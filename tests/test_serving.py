@@ -241,8 +241,9 @@ def test_corrupt_state_is_an_error(role, what, getkey):
     # A state that went through an optimiser (`eqx.apply_updates` on the raw gradient)
     # would freeze a scale from values fp8ax never wrote.
     model, _ = _trained("haliax", fp8ax.Fp8Config(), jnp.float32, getkey)
-    where = lambda m: getattr(m.down_proj.dot_general, role).amax_history  # noqa: E731
-    broken = eqx.tree_at(where, model, where(model).at[2].set(-0.5))
+    where = lambda m: getattr(m.down_proj.dot_general, role)  # noqa: E731
+    state = where(model)
+    broken = eqx.tree_at(where, model, fp8ax.ScalingState(state.scale, state.amax_history.at[2].set(-0.5)))
     with pytest.raises(
         ValueError, match=rf"Layer `down_proj`, {what} state.*negative or non-finite.*fp8ax\.apply_updates"
     ):

@@ -686,10 +686,11 @@ def test_a_corrupt_ensemble_member_calibrates_alone_and_is_named(getkey):
         fp8ax.check_state(broken)
 
 
-def test_an_optimiser_given_the_fp8_state_is_named_once(getkey, monkeypatch):
-    # A bare optimiser built from the whole model works on the zeros where the FP8 state
-    # is; `apply_updates` says so once per process, with the size and the fix, while the
-    # step is traced. `skip_fp8_state`'s updates, and no updates, say nothing.
+def test_an_optimiser_that_keeps_state_for_the_fp8_state_is_named_once(getkey, monkeypatch):
+    # A bare optimiser with moments, built from the whole model, keeps them for the zeros
+    # where the FP8 state is; `apply_updates` says so once per process, with the size
+    # and the fix, while the step is traced. `skip_fp8_state`, a stateless update (optax's
+    # SGD, or one written by hand) and no updates say nothing.
     import fp8ax._update as update
 
     monkeypatch.setattr(update, "_WARNED_OPTIMIZER", [])
@@ -710,10 +711,14 @@ def test_an_optimiser_given_the_fp8_state_is_named_once(getkey, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error", fp8ax.OptimizerStateWarning)
         step(fp8ax.skip_fp8_state(optax.adam(1e-3)))
+        step(optax.sgd(1e-3))
+        eqx.filter_jit(lambda m: fp8ax.apply_updates(m, jax.tree.map(lambda g: -1e-3 * g, grads), overwrite))(model)
         fp8ax.apply_updates(model, None, overwrite)
     # Two layers, three state arrays each of 1024 + 2 float32.
-    with pytest.warns(fp8ax.OptimizerStateWarning, match=r"\(6 arrays, 24,624 bytes\).*fp8ax\.skip_fp8_state"):
+    with pytest.warns(
+        fp8ax.OptimizerStateWarning, match=r"\(6 arrays, 24,624 bytes each time\).*fp8ax\.skip_fp8_state"
+    ):
         step(optax.adam(1e-3))
     with warnings.catch_warnings():
         warnings.simplefilter("error", fp8ax.OptimizerStateWarning)
-        step(optax.sgd(1e-3))  # once per process
+        step(optax.sgd(1e-3, momentum=0.9))  # once per process

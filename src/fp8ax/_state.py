@@ -288,10 +288,7 @@ class ScalingState(AbstractState):
                 "([unit, scale, *amax_history]); they are not pytree leaves of their own. To replace them, replace "
                 "the state: `eqx.tree_at(lambda m: m.lhs, dg, fp8ax.ScalingState(scale, amax_history))`."
             )
-        scale, history = read_state((data,))
-        if isinstance(scale, np.ndarray):  # concrete: as arrays, like the leaf they come from
-            return jnp.asarray(scale), jnp.asarray(history)
-        return scale, history
+        return read_state((data,))
 
     def written(self):
         # A call that observed nothing reports unit 0, and so does the zero cotangent of
@@ -310,10 +307,11 @@ def pack_state(unit: Any, scale: Any, history: Any) -> Any:
 def stored_parts(state: tuple) -> tuple:
     """`(unit, scale, history)` as stored, each still a multiple of the unit, from a
     delayed-scaling state: `(data,)` (a `ScalingState`'s array), `(scale, amax_history,
-    unit)` or `(scale, amax_history)` (unit 1). Sliced with `lax` on traced values (free
-    inside the kernels that read them), NumPy float32 on concrete ones."""
-    if not any(isinstance(v, jax.core.Tracer) for v in state):
-        state = tuple(np.asarray(as_f32(v), np.float32) for v in state)
+    unit)` or `(scale, amax_history)` (unit 1). NumPy float32 on NumPy arrays; sliced with
+    `lax` otherwise (traced values: free inside the kernels that read them; JAX arrays:
+    on their devices, keeping their sharding)."""
+    if _numpy(*state):
+        state = tuple(np.asarray(v, np.float32) for v in state)
         if len(state) == 1:
             return state[0][..., UNIT], state[0][..., SCALE], state[0][..., HISTORY:]
         scale, history = state[:2]
@@ -331,11 +329,16 @@ def stored_parts(state: tuple) -> tuple:
     return (state[2] if len(state) == 3 else lax.full_like(scale, 1)), scale, history
 
 
+def _numpy(*values) -> bool:
+    """Whether every value is host data (NumPy or a Python number), read with NumPy."""
+    return all(isinstance(v, np.ndarray | np.generic | float | int) for v in values)
+
+
 def unit_inverse(unit: Any) -> Any:
     """`1 / unit`, and 0 for a unit of 0 (nothing written): the multiplier that reads a
     stored value (see `through_unit`). One division per state, on a scalar (on the
     stacked operands of a call, one small kernel for all of them)."""
-    if not isinstance(unit, jax.core.Tracer):
+    if _numpy(unit):
         unit = np.asarray(unit, np.float32)
         written = unit != 0
         return np.where(written, np.float32(1) / np.where(written, unit, np.float32(1)), np.float32(0))
@@ -351,7 +354,7 @@ def through_unit(inv: Any, x: Any, fresh: float) -> Any:
     all-zero state reads as a fresh one). A unit of 1 reads exactly; a negative or NaN
     one (the state went through an optimiser) gives a value the state's checks find
     corrupt."""
-    if not isinstance(inv, jax.core.Tracer) and not isinstance(x, jax.core.Tracer):
+    if _numpy(inv, x):
         inv, x = np.asarray(inv, np.float32), np.asarray(x, np.float32)
         with np.errstate(invalid="ignore"):
             return np.where(inv != 0, x * inv, np.float32(fresh))
@@ -363,7 +366,7 @@ def read_state(state: tuple) -> tuple:
     """The `(scale, amax_history)` a delayed-scaling state stands for (see
     `stored_parts` for the forms it takes): the stored values divided by the unit."""
     unit, scale, history = stored_parts(state)
-    if not isinstance(unit, jax.core.Tracer) and np.all(unit == 1):
+    if _numpy(unit) and np.all(unit == 1):
         return scale, history
     inv = unit_inverse(unit)
     wide = inv[..., None] if isinstance(inv, np.ndarray) else lax.expand_dims(inv, (inv.ndim,))

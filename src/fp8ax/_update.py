@@ -3,7 +3,6 @@ from typing import TypeVar
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 import optax
@@ -14,10 +13,11 @@ T = TypeVar("T")
 
 
 class OptimizerStateWarning(UserWarning):
-    """The optimiser was given the FP8 state: it was built without
-    [`fp8ax.skip_fp8_state`][], so it keeps moments for the state (Adam, momentum, ...)
-    and updates them every step, for nothing. Raised once per process, while
-    [`fp8ax.apply_updates`][] is traced (or first called)."""
+    """The optimiser keeps state for the FP8 state: it was built from the whole model
+    without [`fp8ax.skip_fp8_state`][], so it keeps moments for the FP8 state (Adam,
+    momentum, ...) and updates them every step, for nothing. Raised once per process,
+    while [`fp8ax.apply_updates`][] is traced (or first called). A stateless update
+    written by hand (`jax.tree.map(lambda g: -lr * g, grads)`) does not raise it."""
 
 
 _WARNED_OPTIMIZER: list[bool] = []  # (once per process)
@@ -30,13 +30,12 @@ def _warn_optimizer(arrays: list) -> None:
     _WARNED_OPTIMIZER.append(True)
     size = sum(int(np.size(v)) * 4 for v in arrays)
     warnings.warn(
-        f"fp8ax: the optimiser's updates cover the FP8 state ({len(arrays)} arrays, {size:,} bytes): it was "
-        "built from the whole model (`opt.init(eqx.filter(model, eqx.is_array))`) and works on the state's zero "
-        "gradients every step, which `fp8ax.apply_updates` then ignores. An optimiser with moments keeps them "
-        f"for the state too (Adam: two copies, {2 * size:,} bytes) and updates them every step, about two small "
-        "kernels per state array, a cost GPUs feel most in small and medium layers. Build it with "
-        "`opt = fp8ax.skip_fp8_state(optax.adam(...))`: the same `init` and `update` calls, no moments and no "
-        "kernels for the state. (Raised once per process.)",
+        f"fp8ax: the optimiser keeps state for the FP8 state ({len(arrays)} arrays, {size:,} bytes each time): it "
+        "was built from the whole model (`opt.init(eqx.filter(model, eqx.is_array))`), so it keeps moments for "
+        "the state's zero gradients (Adam: two copies) and updates them every step, about two small kernels per "
+        "state array, for updates `fp8ax.apply_updates` ignores: a cost GPUs feel most in small and medium "
+        "layers. Build it with `opt = fp8ax.skip_fp8_state(optax.adam(...))`: the same `init` and `update` "
+        "calls, no moments and no kernels for the state. (Raised once per process.)",
         OptimizerStateWarning,
         stacklevel=3,
     )
@@ -87,8 +86,11 @@ def partition_for_grad_overwrite(tree: T) -> tuple[T, T]:
 
 def _untrained(module):
     """The zero gradient of an FP8 module's state: its arrays as zeros (and None for
-    anything that is not an array, as `eqx.filter_grad` gives)."""
-    return jtu.tree_map(lambda v: jnp.zeros_like(v) if eqx.is_array(v) else None, module)
+    anything that is not an array, as `eqx.filter_grad` gives). NumPy zeros, constants
+    of the program: what a stateless update makes of them (`-lr * g`) stays NumPy, while
+    an optimiser that keeps moments for the state gives JAX arrays, which is how
+    `apply_updates` tells the two apart (`OptimizerStateWarning`)."""
+    return jtu.tree_map(lambda v: np.zeros(np.shape(v), v.dtype) if eqx.is_array(v) else None, module)
 
 
 def apply_updates(model: T, updates: T | None, overwrite: T | None) -> T:
@@ -154,7 +156,9 @@ def apply_updates(model: T, updates: T | None, overwrite: T | None) -> T:
             # `u` is what the optimiser made of the state's zero gradient (zero, or weight
             # decay): the state is written by `overwrite` alone.
             if u is not None:
-                optimised.extend(v for v in jtu.tree_leaves(u) if eqx.is_array(v))
+                # JAX arrays where `partition_for_grad_overwrite` put NumPy zeros: an
+                # optimiser computed them from its own state (see `_untrained`).
+                optimised.extend(v for v in jtu.tree_leaves(u) if isinstance(v, jax.Array))
             if o is None:
                 return m
             merge = getattr(m, "_overwritten_by", None)

@@ -15,7 +15,7 @@ from .. import _formats
 from .._boundaries import vma
 from .._maxgrad import as_f32
 from .._quantized import QuantizedArray, ScaleLayout
-from .._state import ScalingState, pack_state, read_state, stored_parts, through_unit, unit_inverse
+from .._state import HISTORY, ScalingState, pack_state, read_state, stored_parts, through_unit, unit_inverse
 from .base import AbstractScalingRecipe, Operand, _as_operands, _fwd_dtype, _grad_dtype, _no_merge
 
 
@@ -91,36 +91,47 @@ class _Plan(NamedTuple):
     inv: Array | None = None  # and its reciprocal, the cast's multiplier
 
 
-class _Stored(NamedTuple):
-    """One operand's state as stored (see `stored_parts`)."""
-
-    unit: Array
-    scale: Array
-    history: Array
+def _history_of(state):
+    """The stored history of a state (see `stored_parts`), sliced alone."""
+    if len(state) != 1:
+        return as_f32(jnp.asarray(state[1]))
+    data = as_f32(jnp.asarray(state[0]))
+    return lax.slice_in_dim(data, HISTORY, data.shape[-1], axis=data.ndim - 1)
 
 
 def _through_unit(inv, scale, longest, lowest):
     """The scale and the history's bounds a state stands for, from the stored ones and
     the `unit_inverse` of its unit (see `through_unit`); a negative or NaN unit reads as
-    a corrupt history (a NaN max). Reading the bounds instead of the history (the max of
-    a history times a positive number is its max times it) keeps the arithmetic on a few
-    scalars."""
-    longest = _formats.select(lax.ge(inv, np.float32(0)), through_unit(inv, longest, 0), lax.full_like(longest, np.nan))
-    return through_unit(inv, scale, 1), longest, through_unit(inv, lowest, 0)
+    a corrupt history (a negative min; no NaN is made, for `jax_debug_nans`). Reading
+    the bounds instead of the history (the max of a history times a positive number is
+    its max times it) keeps the arithmetic on a few scalars."""
+    lowest = _formats.select(lax.ge(inv, np.float32(0)), through_unit(inv, lowest, 0), lax.full_like(lowest, -1))
+    return through_unit(inv, scale, 1), through_unit(inv, longest, 0), lowest
 
 
-def _groups(states: list[_Stored]) -> list[list[int]]:
-    """Indices of `states` that can be stacked into one array: the same shapes and, inside
-    `jax.shard_map`, the same manual axes (in order of first appearance)."""
+def _groups(states) -> list[list[int]]:
+    """Indices of `states` (as `plan` takes them) that can be stacked into one array: the
+    same form, the same shapes and, inside `jax.shard_map`, the same manual axes (in order
+    of first appearance)."""
     groups: dict[Any, list[int]] = {}
-    for i, st in enumerate(states):
-        key = (jnp.shape(st.scale), jnp.shape(st.history), vma(st.scale), vma(st.history), vma(st.unit))
+    for i, state in enumerate(states):
+        key = tuple((jnp.shape(v), vma(v)) for v in state)
         groups.setdefault(key, []).append(i)
     return list(groups.values())
 
 
 def _column(x, i):
     return lax.index_in_dim(x, i, axis=-1, keepdims=False)
+
+
+def _columns(x, n: int) -> list:
+    """The `n` entries of `x`'s last axis, each without it (one `split`); `n` Nones for a
+    None `x`."""
+    if x is None:
+        return [None] * n
+    if n == 1:
+        return [lax.squeeze(x, (x.ndim - 1,))]
+    return [lax.squeeze(part, (x.ndim - 1,)) for part in lax.split(x, (1,) * n, axis=x.ndim - 1)]
 
 
 class DelayedScaling(AbstractScalingRecipe):
@@ -331,19 +342,17 @@ class DelayedScaling(AbstractScalingRecipe):
         # operations, entry by entry): one reduction over the histories and one scalar
         # kernel for a call's scales on XLA:GPU, instead of two kernels per operand.
         states = _required_states(states)
-        stored = [_Stored(*stored_parts(tuple(state))) for state in states]
-        if dtypes is not None and len(dtypes) != len(stored):
-            raise ValueError(f"`dtypes` must give one format per state ({len(stored)}), got {len(dtypes)}.")
-        plans: list[Any] = [None] * len(stored)
-        for idx in _groups(stored):
-            if all(len(states[i]) == 1 for i in idx):
-                # `ScalingState`s: their arrays stacked once, then sliced (one kernel).
-                datas = _formats.stack([as_f32(jnp.asarray(states[i][0])) for i in idx], axis=-2)
-                units, scales, histories = stored_parts((datas,))
-            else:
-                units = _formats.stack([stored[i].unit for i in idx])
-                scales = _formats.stack([stored[i].scale for i in idx])
-                histories = _formats.stack([stored[i].history for i in idx], axis=-2)
+        if dtypes is not None and len(dtypes) != len(states):
+            raise ValueError(f"`dtypes` must give one format per state ({len(states)}), got {len(dtypes)}.")
+        plans: list[Any] = [None] * len(states)
+        for idx in _groups(states):
+            # The group's arrays stacked once, then sliced (one kernel).
+            form = len(states[idx[0]])
+            axes = (-2,) if form == 1 else (-1, -2, -1)  # data; or scale, history, unit
+            stacked = tuple(
+                _formats.stack([as_f32(jnp.asarray(states[i][f])) for i in idx], axis=axes[f]) for f in range(form)
+            )
+            units, scales, histories = stored_parts(stacked)
             inv_units = unit_inverse(units)
             scales, longest, lowest = _through_unit(inv_units, scales, *_history_bounds(histories))
             used = inv = None
@@ -357,16 +366,20 @@ class DelayedScaling(AbstractScalingRecipe):
                 used = self._checked(past, scales, tuple(_formats.fp8_max(dtypes[i]) for i in idx))
                 inv = _formats.reciprocal(used)
             flags = _calibrates(longest, lowest, scales) if self.calibrate_first_call else None
-            for k, i in enumerate(idx):
-                plans[i] = _Plan(
-                    None if flags is None else _column(flags, k),
-                    _column(inv_units, k),
-                    _column(scales, k),
-                    None if used is not None else _column(longest, k),
-                    None if used is not None else _column(lowest, k),
-                    None if used is None else _column(used, k),
-                    None if inv is None else _column(inv, k),
+            columns = [
+                _columns(a, len(idx))
+                for a in (
+                    flags,
+                    inv_units,
+                    scales,
+                    None if used is not None else longest,
+                    None if used is not None else lowest,
+                    used,
+                    inv,
                 )
+            ]
+            for k, i in enumerate(idx):
+                plans[i] = _Plan(*(c[k] for c in columns))
         return plans
 
     def planned_scale(self, plan):
@@ -395,7 +408,8 @@ class DelayedScaling(AbstractScalingRecipe):
             operands = [op._replace(plan=p) for op, p in zip(operands, plans)]
         results = []
         for op, state in zip(operands, states):  # (`_replace` keeps the order)
-            p, stored = op.plan, _Stored(*stored_parts(tuple(state)))
+            p = op.plan
+            history = _history_of(state)
             fp8_max = _formats.fp8_max(op.dtype)
             if p.used is not None:
                 used, inv = p.used, p.inv  # planned from the state alone
@@ -403,7 +417,7 @@ class DelayedScaling(AbstractScalingRecipe):
                 if self.amax_compute_algo == "max":
                     past = p.longest
                 else:
-                    past = through_unit(p.inv_unit, _column(stored.history, 0), 0)
+                    past = through_unit(p.inv_unit, _column(history, 0), 0)
                 past = _formats.select(lax.ge(p.lowest, np.float32(0)), past, lax.full_like(p.longest, 0))
                 used = self._checked(past, p.scale, fp8_max)
                 inv = None
@@ -415,13 +429,13 @@ class DelayedScaling(AbstractScalingRecipe):
                 # went through an optimiser) calibrates too, so training stays right;
                 # fp8ax raises on it wherever it sees the state's values
                 # (`fp8ax.check_state`).
-                # (A corrupt scale is no fallback for a tensor that observes nothing: 1.)
-                fallback = _formats.select(_bad_scale(p.scale), lax.full_like(p.scale, 1), p.scale)
-                used = _formats.select(p.calibrates, self._checked(seen, fallback, fp8_max), used)
+                # (A corrupt scale is no fallback for a tensor that observes nothing:
+                # `_checked` gives 1 then.)
+                used = _formats.select(p.calibrates, self._checked(seen, p.scale, fp8_max), used)
                 inv = None
             used, inv = _fenced(used, inv) if inv is None else (used, inv)
             values = _formats.quantize(op.x, used, op.dtype, inv=inv)
-            history = through_unit(lax.expand_dims(p.inv_unit, (p.inv_unit.ndim,)), stored.history, 0)
+            history = through_unit(lax.expand_dims(p.inv_unit, (p.inv_unit.ndim,)), history, 0)
             new_scale, new_history = self.next_state(used, history, seen)
             new_state: tuple = (new_scale, new_history)
             if len(state) != 2:  # the unit: 1 where the call observed something (its new scale is > 0)
