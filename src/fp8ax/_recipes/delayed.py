@@ -2,7 +2,6 @@
 # operand), and the check that tells a corrupt state from a real one.
 
 import dataclasses
-from collections.abc import Sequence
 from typing import Any, Literal, NamedTuple
 
 import equinox as eqx
@@ -63,7 +62,7 @@ def _fenced(used, inv=None):
     return lax.optimization_barrier((used, inv))
 
 
-def _required_states(states) -> list[Sequence[Array]]:
+def _required_states(states) -> list[tuple[Array, ...]]:
     """`states` as a list, checked: DelayedScaling quantises every operand with its
     state: `(data,)` (a `ScalingState`'s array: unit, scale, amax history), or
     `(scale, amax_history, unit)`, or `(scale, amax_history)` (unit 1)."""
@@ -76,7 +75,7 @@ def _required_states(states) -> list[Sequence[Array]]:
                 "`state` must be a `ScalingState`'s `(data,)`, a `(scale, amax_history, unit)` triple or a "
                 f"`(scale, amax_history)` pair, got {type(state).__name__}."
             )
-    return states
+    return [tuple(state) for state in states]
 
 
 class _Plan(NamedTuple):
