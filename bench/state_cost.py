@@ -12,6 +12,8 @@ Each model is trained with the step its library documents, `optax.adam`, under o
   documented path).
 - ``fp8ax-bare``: the same model with a bare ``optax.adam`` built from the whole model
   (Equinox's pattern without the wrapper: its moments cover the FP8 state).
+- ``fp8ax-nocal``: ``DelayedScaling(calibrate_first_call=False)``: what first-call
+  calibration costs a settled step.
 - ``fp8ax-current``: ``Fp8Config(recipe=CurrentScaling())``: no state, the same step.
 
 Models (Haliax linear layers, float32; on the CPU FP8 is emulated, so only ratios and
@@ -68,7 +70,7 @@ import optax
 import fp8ax
 
 HERE = Path(__file__).resolve().parent
-VARIANTS = ("plain", "haliax", "fp8ax", "fp8ax-bare", "fp8ax-current")
+VARIANTS = ("plain", "haliax", "fp8ax", "fp8ax-bare", "fp8ax-nocal", "fp8ax-current")
 MODELS = ("mlp", "stack16", "decoder", "depth1", "depth4")
 NOT_KERNELS = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "opt-barrier", "after-all"}
 
@@ -190,7 +192,11 @@ def variant(model, name: str):
         model = haxq.quantize_linear_layers(model, haxq.QuantizationConfig(fp8=True))
         opt, partition, apply = adam, haxq.partition_for_grad_overwrite, haxq.apply_updates
     else:
-        config = fp8ax.Fp8Config(recipe=fp8ax.CurrentScaling()) if name == "fp8ax-current" else fp8ax.Fp8Config()
+        recipe = {
+            "fp8ax-current": fp8ax.CurrentScaling(),
+            "fp8ax-nocal": fp8ax.DelayedScaling(calibrate_first_call=False),
+        }.get(name, fp8ax.DelayedScaling())
+        config = fp8ax.Fp8Config(recipe=recipe)
         model = fp8ax.fp8_linear_layers(model, config)
         opt = adam if name == "fp8ax-bare" else fp8ax.skip_fp8_state(adam)
         partition, apply = fp8ax.partition_for_grad_overwrite, fp8ax.apply_updates
