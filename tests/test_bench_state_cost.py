@@ -26,7 +26,7 @@ def _load_script():
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("state_cost") / "x.json"
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dry", "--models", "mlp,stack16", "--out", str(out)],
+        [sys.executable, str(SCRIPT), "--dry", "--models", "mlp,depth1", "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -40,7 +40,7 @@ def test_dry_pass_and_the_bars(dry_run):
     proc, payload = dry_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # The bare optimiser is what the benchmark measures on purpose: the warning is its own.
-    assert payload["dry"] and set(payload["results"]) == {"mlp", "stack16"}
+    assert payload["dry"] and set(payload["results"]) == {"mlp", "depth1"}
     for name, row in payload["results"].items():
         plain, haliax, fp8ax, bare, current = (
             row[v] for v in ("plain", "haliax", "fp8ax", "fp8ax-bare", "fp8ax-current")
@@ -57,7 +57,9 @@ def test_dry_pass_and_the_bars(dry_run):
         assert fp8ax["kernels_added_per_layer"] <= haliax["kernels_added_per_layer"], (name, row)
         assert fp8ax["kernels_added_per_layer"] <= current["kernels_added_per_layer"] + 12, (name, row)
         for v in ("plain", "haliax", "fp8ax", "fp8ax-bare", "fp8ax-nocal", "fp8ax-current"):
-            assert row[v]["first_step_s"] > 0 and row[v]["step_ms"] > 0 and row[v]["host_us"] > 0, (name, v)
+            assert row[v]["first_step_s"] > 0, (name, v)
+            if name == "mlp":  # (the depth series is compiled, not timed)
+                assert row[v]["step_ms"] > 0 and row[v]["host_us"] > 0, (name, v)
 
 
 HLO = """\

@@ -55,7 +55,7 @@ class AbstractState:
     # `_values`: the arrays, in the max-accumulating form while traced; `_leaves`: their
     # float32 leaves where they are safe to hand out again (concrete values), None where
     # every flatten must make a fresh view (see `_enter`).
-    __slots__ = ("_values", "_leaves", "_axes", "_label")
+    __slots__ = ("_values", "_leaves", "_axes", "_label", "_kids")
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -91,6 +91,7 @@ class AbstractState:
         object.__setattr__(self, "_leaves", tuple(leaf for _, leaf in entered))
         object.__setattr__(self, "_axes", None)
         object.__setattr__(self, "_label", label)
+        object.__setattr__(self, "_kids", None)
 
     def _leaf(self, i):
         leaf = self._leaves[i]
@@ -112,10 +113,17 @@ class AbstractState:
     # layers do (`haliax.nn.Stacked`'s scan combines a sliced copy with a filtered one).
 
     def _children(self) -> tuple:
+        if self._kids is not None:
+            return self._kids
         leaves = tuple(self._leaf(i) for i in range(len(self.fields)))
-        if self._axes is None:
-            return leaves
-        return tuple(v if ax is None else _haliax.named(v, _fit(ax, v)) for v, ax in zip(leaves, self._axes))
+        kids = leaves
+        if self._axes is not None:
+            kids = tuple(v if ax is None else _haliax.named(v, _fit(ax, v)) for v, ax in zip(leaves, self._axes))
+        if all(leaf is not None for leaf in self._leaves):
+            # Concrete values (no view to make afresh): the same children every flatten,
+            # as a training loop flattens the model at every call of its jitted step.
+            object.__setattr__(self, "_kids", kids)
+        return kids
 
     @classmethod
     def _rebuild(cls, label, children) -> Self:
