@@ -42,9 +42,13 @@ HALIAX_CASES = {"data_parallel", "fsdp", "tensor_parallel", "fsdp_tp", "global_a
 # Each test runs one group of cases in a subprocess of its own (a JAX start, a few
 # seconds), so that pytest-xdist shares the groups out between workers; a fixture shared by
 # several tests would run once per worker that takes one of them.
+# The recipes' cases (each compiles a one-device and an 8-device step) come in two halves,
+# so that two workers can share them (as one group they were the suite's longest test).
+_RECIPE_CASES = [c for c in CASES if c.startswith("recipe:")]
 GROUPS = {
     "layouts": [c for c in CASES if c in HALIAX_CASES and not c.startswith("recipe:")],
-    "recipes": [c for c in CASES if c.startswith("recipe:")],
+    "recipes": _RECIPE_CASES[::2],
+    "recipes_2": _RECIPE_CASES[1::2],
     "shard_map": [c for c in CASES if c not in HALIAX_CASES],
 }
 
