@@ -331,10 +331,19 @@ def stored_parts(state: tuple) -> tuple:
         return (
             lax.index_in_dim(data, UNIT, last, keepdims=False),
             lax.index_in_dim(data, SCALE, last, keepdims=False),
-            lax.slice_in_dim(data, HISTORY, data.shape[last], axis=last),
+            stored_history(state),
         )
     scale, history = state[:2]
     return (state[2] if len(state) == 3 else lax.full_like(scale, 1)), scale, history
+
+
+def stored_history(state: tuple) -> Any:
+    """The stored history of a delayed-scaling state alone (see `stored_parts`), sliced
+    with `lax`: what a call's new state is written from."""
+    if len(state) != 1:
+        return as_f32(jnp.asarray(state[1]))
+    data = as_f32(jnp.asarray(state[0]))
+    return lax.slice_in_dim(data, HISTORY, data.shape[-1], axis=data.ndim - 1)
 
 
 def _numpy(*values) -> bool:

@@ -14,7 +14,15 @@ from .. import _formats
 from .._boundaries import vma
 from .._maxgrad import as_f32
 from .._quantized import QuantizedArray, ScaleLayout
-from .._state import HISTORY, ScalingState, pack_state, read_state, stored_parts, through_unit, unit_inverse
+from .._state import (
+    ScalingState,
+    pack_state,
+    read_state,
+    stored_history,
+    stored_parts,
+    through_unit,
+    unit_inverse,
+)
 from .base import AbstractScalingRecipe, Operand, _as_operands, _fwd_dtype, _grad_dtype, _no_merge
 
 
@@ -88,14 +96,6 @@ class _Plan(NamedTuple):
     lowest: Array | None  # and min
     used: Array | None = None  # the delayed scale, from the state alone (None if planned without formats)
     inv: Array | None = None  # and its reciprocal, the cast's multiplier
-
-
-def _history_of(state):
-    """The stored history of a state (see `stored_parts`), sliced alone."""
-    if len(state) != 1:
-        return as_f32(jnp.asarray(state[1]))
-    data = as_f32(jnp.asarray(state[0]))
-    return lax.slice_in_dim(data, HISTORY, data.shape[-1], axis=data.ndim - 1)
 
 
 def _through_unit(inv, scale, longest, lowest):
@@ -408,7 +408,7 @@ class DelayedScaling(AbstractScalingRecipe):
         results = []
         for op, state in zip(operands, states):  # (`_replace` keeps the order)
             p = op.plan
-            history = _history_of(state)
+            history = stored_history(state)
             fp8_max = _formats.fp8_max(op.dtype)
             if p.used is not None:
                 used, inv = p.used, p.inv  # planned from the state alone
