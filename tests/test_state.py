@@ -233,3 +233,19 @@ def test_nan_in_a_large_tensor_observes_nothing(getkey):
     np.testing.assert_array_equal(np.asarray(new.lhs.scale), np.asarray(dg.lhs.scale))
     # The weight's observation is unaffected.
     assert got["rhs"][1][0] == np.abs(np.asarray(w)).max()
+
+
+def test_scaling_state_arguments_are_checked_and_its_parts_are_not_leaves():
+    # One array holds unit, scale and history: shapes that do not fit are refused with
+    # both named, and `eqx.tree_at` on a derived attribute says to replace the state.
+    with pytest.raises(
+        ValueError, match=r"`amax_history` must have shape `\(\*scale.shape, history_length\)`.*\(2, 4\)"
+    ):
+        fp8ax.ScalingState(jnp.ones(()), jnp.zeros((2, 4)))
+    state = fp8ax.ScalingState(jnp.full((), 2.0), jnp.arange(4, dtype=jnp.float32), 0.5)
+    # Read through the unit: the stored values over 0.5, against NumPy.
+    np.testing.assert_array_equal(np.asarray(state.scale), np.float32(2.0) / np.float32(0.5))
+    np.testing.assert_array_equal(np.asarray(state.amax_history), np.arange(4, dtype=np.float32) / np.float32(0.5))
+    assert float(state.unit) == 0.5 and jax.tree.leaves(state)[0].shape == (6,)
+    with pytest.raises(AttributeError, match=r"replace the state: `eqx.tree_at\(lambda m: m.lhs"):
+        eqx.tree_at(lambda s: s.scale, state, jnp.ones(()))
