@@ -425,6 +425,29 @@ def test_a_gpu_run_is_told_once_what_its_first_compile_costs(xla_flags, cache, w
         assert "XLA_FLAGS=--xla_gpu_enable_triton_gemm=false" in messages[0] and "docs/gpu.md" in messages[0]
 
 
+def test_compiler_options_silence_the_advice_and_run_on_the_cpu(monkeypatch, getkey):
+    # Asking for `fp8ax.compiler_options()` is taking the advice: no warning on a (faked)
+    # GPU afterwards. The CPU accepts the same options, through `eqx.filter_jit` and
+    # `jax.jit`, and they change nothing there (the same values as without them).
+    from fp8ax._model import advice as _dot_general
+
+    monkeypatch.setattr(_dot_general, "_platform", lambda: "gpu")
+    monkeypatch.setattr(_dot_general, "_ADVISED", [])
+    monkeypatch.setenv("XLA_FLAGS", "")
+    monkeypatch.setattr(_dot_general, "_cache_dir", lambda: None)
+    options = fp8ax.compiler_options()
+    assert options == {"xla_gpu_enable_triton_gemm": False}
+    assert fp8ax.compiler_options() is not options  # the caller's own dict to add to
+    x, w, _ = _data(getkey, m=8, k=16, n=4)
+    dg = fp8ax.Fp8DotGeneral.init()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = eqx.filter_jit(lambda d, x: d(x, w, DIMS), compiler_options=options)(dg, x)
+        got_jax = jax.jit(lambda x: dg(x, w, DIMS), compiler_options=options)(x)
+    want = jax.jit(lambda x: dg(x, w, DIMS))(x)
+    assert got.dtype == want.dtype and jnp.array_equal(got, want) and jnp.array_equal(got_jax, want)
+
+
 def test_no_gpu_advice_on_the_cpu(monkeypatch, getkey):
     from fp8ax._model import advice as _dot_general
 

@@ -181,6 +181,57 @@ def test_default_step_compiles_for_an_h100_without_one(h100, mode):
         assert s["fp8_gemms"] == 3, s["gemm_paths"]
 
 
+def _readme_step_program(mesh, jit_kwargs) -> str:
+    """The optimised HLO of README.md's training step (an Equinox MLP converted by
+    `fp8_linear_layers`, `skip_fp8_state(optax.adam)`), compiled for `mesh`'s GPU with
+    `jax.jit(..., **jit_kwargs)` (which `eqx.filter_jit` forwards them to)."""
+    import optax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    keys = jax.random.split(jax.random.key(0), 2)
+    model = fp8ax.fp8_linear_layers(eqx.nn.MLP(512, 384, 1024, 1, key=keys[0]))
+    opt = fp8ax.skip_fp8_state(optax.adam(1e-3))
+
+    def step(model, opt_state, x, y):
+        loss = lambda m: jnp.mean((jax.vmap(m)(x) - y) ** 2)  # noqa: E731
+        grads = eqx.filter_grad(loss)(model)
+        overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)
+        updates, opt_state = opt.update(grads, opt_state, params=model)
+        return fp8ax.apply_updates(model, updates, overwrite), opt_state
+
+    # eqx.filter_jit would take abstract leaves of the model for constants: a `jax.jit` of
+    # the flattened arrays instead (docs/faq.md), with the same keyword arguments.
+    rep = NamedSharding(mesh, P())
+    opt_state = opt.init(eqx.filter(model, eqx.is_array))
+    arrays, static = eqx.partition((model, opt_state), eqx.is_array)
+    leaves, tree = jax.tree.flatten(arrays)
+
+    def flat_step(leaves, x, y):
+        return jax.tree.leaves(
+            eqx.filter(step(*eqx.combine(jax.tree.unflatten(tree, leaves), static), x, y), eqx.is_array)
+        )
+
+    abstract = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep)  # noqa: E731
+    args = [abstract(a) for a in leaves], abstract(jnp.zeros((256, 512))), abstract(jnp.zeros((256, 384)))
+    with jax.numpy_dtype_promotion("standard"):  # optax's Adam raises a float to its int32 count
+        return jax.jit(flat_step, **jit_kwargs).lower(*args).compile().as_text()
+
+
+def test_compiler_options_give_the_readme_step_cublaslt_fp8_gemms(h100):
+    """`fp8ax.compiler_options()` in the step's `eqx.filter_jit`, with no `XLA_FLAGS`:
+    the five GEMMs of README's step (two layers' forward and weight-gradient GEMMs, the
+    second layer's input gradient) are cuBLASLt's FP8 GEMMs, none a Triton GEMM fusion (whose FP8 candidates take minutes to autotune). The
+    same step compiled without them has Triton's GEMM fusions (XLA's default here)."""
+    mesh, gpu_hlo = h100
+    if "triton_gemm" in os.environ.get("XLA_FLAGS", ""):
+        pytest.skip("XLA_FLAGS sets Triton's GEMMs for the whole process")
+    fast = gpu_hlo.summary(_readme_step_program(mesh, {"compiler_options": fp8ax.compiler_options()}))
+    assert fast["gemms"] == 5 and fast["fp8_gemms"] == 5, fast["gemm_paths"]
+    assert all(p.startswith("cublas:fp8") for p in fast["gemm_paths"]), fast["gemm_paths"]
+    default = gpu_hlo.summary(_readme_step_program(mesh, {}))
+    assert any(p.startswith("triton:") for p in default["gemm_paths"]), default["gemm_paths"]
+
+
 def test_saved_fp8_residuals_still_feed_fp8_gemms(h100):
     # Under a policy that saves residuals, the backward GEMMs read the forward's FP8
     # copies back from their bits (src/fp8ax/_gemm/residuals.py): still FP8 GEMMs.

@@ -59,6 +59,7 @@ from ._checkpoint import (
 )
 from ._distributed import pmean_gradients as pmean_gradients
 from ._microbatch import accumulate_gradients as accumulate_gradients, microbatched as microbatched
+from ._model import compiler_options as compiler_options
 
 # isort: split
 # reports

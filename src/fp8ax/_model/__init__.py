@@ -2,7 +2,7 @@
 
 - `dot_general`: `Fp8DotGeneral`, the FP8 drop-in for `jax.lax.dot_general`, with its
   state; `ragged_dot`: `Fp8RaggedDot`, the one for `jax.lax.ragged_dot`; `advice`: the
-  one-time warning about GPU compile time;
+  one-time warning about GPU compile time, and `compiler_options`, what avoids it;
 - `config`: `Fp8Config`, which builds the ops for each layer;
 - `linear`: `Fp8Linear` (Equinox); `moe`: `Fp8MoELinear` (Haliax mixture of experts);
 - `kinds`: the one list of layer kinds (linear, FP8, their features and stacked shapes);
@@ -11,7 +11,7 @@
 This is the one unit besides the `_haliax` door that imports Haliax, at run time.
 """
 
-from .advice import advise_gpu_compile as advise_gpu_compile
+from .advice import advise_gpu_compile as advise_gpu_compile, compiler_options as compiler_options
 from .config import Fp8Config as Fp8Config
 from .dot_general import (
     Fp8DotGeneral as Fp8DotGeneral,
