@@ -102,6 +102,60 @@ HALIAX_SUBSET = (
 )
 
 
+# --- `jax_subset`: the tests CI runs again on the newest jax ---
+#
+# Run 1 of CI runs every test on jax 0.10. Run 2 (Python 3.12, the newest jax and
+# marin-haliax; `-m "haliax_subset or (jax_subset and not needs_hax_dot)"`) runs these
+# again: the tests of what fp8ax builds on JAX's own machinery, whose outcome can change
+# with the JAX version (the custom VJPs and their rules, the max-accumulating extended
+# dtype, transformations and the boundaries they put around a layer, the traced program,
+# FP8 casts, serialisation, the compilation cache). What runs the same code whatever JAX
+# does (each recipe's maths against its NumPy reference, argument checks, reports, the
+# docs' text) runs in run 1 only, as do the multi-process tests (jax.distributed, Orbax)
+# and the 8-device reuse matrix (shard_map is in test_sharding.py's `shard_map` group).
+# About 5 minutes on 2 cores, with the Haliax subset. Each entry is a test id or the
+# start of one, with the reason it is here.
+
+# Sweeps over every recipe of tests/recipe_registry.py run one entry of each recipe class
+# here: the classes differ in what they ask of JAX (state, random bits, block scales,
+# two-level scales, int8, a recipe fp8ax does not know); the variants of a class differ in
+# their maths, which the NumPy references check in run 1.
+_ONE_RECIPE_PER_CLASS = ("delayed", "current-stochastic", "int8", "mx-fp4", "blockwise", "nvfp4", "running-max")
+
+
+def _per_class(test: str, reason: str, extra: tuple[str, ...] = ()) -> dict[str, str]:
+    return {f"{test}[{name}]": reason for name in (*_ONE_RECIPE_PER_CLASS, *extra)}
+
+
+JAX_SUBSET = {
+    "tests/test_dot_general.py::": "the dense custom VJP: numerics, lowering, jit/grad/vmap/checkpoint",
+    "tests/test_maxgrad.py::": "the max-accumulating extended dtype (JAX's extended-dtype protocol)",
+    "tests/test_boundaries.py::": "the JAX rules (vmap of cond/switch) that would sum FP8 state",
+    "tests/test_state.py::": "the merged state of a layer used several times, under scan, vmap and loops",
+    "tests/test_pipeline.py::": "the traced step's data flow: what each cast waits on, one program",
+    "tests/test_per_example.py::": "the custom VJP's vmap rule",
+    "tests/test_checkpoint.py::": "serialisation of weights and FP8 state",
+    "tests/test_entry_points.py::": "the model placed on devices, through lax.scan, filter_vmap, shard_map",
+    "tests/test_formats.py::": "FP8 casts against ml_dtypes",
+    "tests/test_gpu_invariants.py::": "FP8 casts bit for bit, the state's merge and NaN handling",
+    "tests/test_compilation_cache.py::": "JAX's persistent compilation cache",
+    "tests/test_accumulate.py::": "microbatched gradients through lax.scan",
+    "tests/test_calibrate.py::test_one_program_without_conditional": "the calibrating step is one program",
+    "tests/test_calibrate.py::test_a_scanned_training_loop": "a training loop in lax.scan",
+    "tests/test_remat.py::test_what_remat_rounding_changes": "lax.reduce_precision of saved residuals",
+    "tests/test_remat.py::test_protect": "remat of the FP8 state's leaves",
+    **_per_class("tests/test_remat.py::test_every_jax_policy", "JAX's checkpoint policies", ("current-fnuz",)),
+    **_per_class("tests/test_recipe_conformance.py::test_under_transforms", "each recipe under jit/scan/vmap"),
+    **_per_class("tests/test_recipe_conformance.py::test_gemms_match_reference", "each recipe's three GEMMs"),
+    "tests/test_recipe_conformance.py::test_state_invariants": "each recipe's state through jax.grad",
+    # Every boundary and use pattern, for the dense and the grouped custom VJP (the
+    # converted Equinox layers are those VJPs inside a module).
+    "tests/test_reuse_matrix.py::test_reuse[dot_general-": "every boundary JAX offers around a reused layer",
+    "tests/test_reuse_matrix.py::test_reuse[ragged_dot-": "every boundary around a reused grouped GEMM",
+    "tests/test_sharding.py::test_cases[shard_map]": "jax.shard_map with and without check_vma",
+}
+
+
 # --- `gpu_program`: what CI's run 3 compiles with JAX's CUDA plugin, beside its Haliax subset ---
 GPU_PROGRAM = ("tests/test_gpu_program.py::", "tests/test_gpu_hlo.py::")
 
@@ -111,6 +165,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith(HALIAX_SUBSET):
             item.add_marker(pytest.mark.haliax_subset)
+        if item.nodeid.startswith(tuple(JAX_SUBSET)):
+            item.add_marker(pytest.mark.jax_subset)
         if item.nodeid.startswith(GPU_PROGRAM):
             item.add_marker(pytest.mark.gpu_program)
     # An entry whose file was collected whole but that names no test (a test renamed) is an
@@ -120,8 +176,8 @@ def pytest_collection_modifyitems(config, items):
     ids = [item.nodeid for item in items]
     stale = [
         entry
-        for entry in HALIAX_SUBSET
+        for entry in (*HALIAX_SUBSET, *JAX_SUBSET)
         if not any(i.startswith(entry) for i in ids) and any(i.startswith(entry.split("::")[0] + "::") for i in ids)
     ]
     if stale:
-        raise pytest.UsageError(f"tests/conftest.py: HALIAX_SUBSET names no collected test: {stale}")
+        raise pytest.UsageError(f"tests/conftest.py: HALIAX_SUBSET or JAX_SUBSET names no collected test: {stale}")

@@ -504,9 +504,13 @@ def test_block_scaled_gemm_needs_whole_mxfp8_blocks(getkey, monkeypatch):
     monkeypatch.setattr(jax.nn, "scaled_matmul", lambda *a, **k: calls.append(1) or _documented_scaled_matmul(*a, **k))
     x, w = jax.random.normal(getkey(), (64, 96)), jax.random.normal(getkey(), (96, 32))
     dims = (((1,), (0,)), ((), ()))
-    fp8ax.Fp8DotGeneral.init(fp8ax.MXScaling(), block_scaled_gemm=True)(x[:, :80], w[:80], dims)  # K = 80
-    fp8ax.Fp8DotGeneral.init(fp8ax.MXScaling(32, "e2m1", "e2m1", "floor"), block_scaled_gemm=True)(x, w, dims)
-    fp8ax.Fp8DotGeneral.init(fp8ax.MXScaling())(x, w, dims)  # default: a Blackwell GPU only
+
+    def call(dg, x, w):  # jitted: one compile instead of every op dispatched on its own (30 s eagerly)
+        return jax.jit(lambda x, w: dg(x, w, dims))(x, w)
+
+    call(fp8ax.Fp8DotGeneral.init(fp8ax.MXScaling(), block_scaled_gemm=True), x[:, :80], w[:80])  # K = 80
+    call(fp8ax.Fp8DotGeneral.init(fp8ax.MXScaling(32, "e2m1", "e2m1", "floor"), block_scaled_gemm=True), x, w)
+    call(fp8ax.Fp8DotGeneral.init(fp8ax.MXScaling()), x, w)  # default: a Blackwell GPU only
     assert calls == [] and not _blackwell_default_device()  # CPU here
     with pytest.raises(TypeError, match="`block_scaled_gemm` must be None, True or False, got 'yes'"):
         fp8ax.GemmSettings(block_scaled_gemm="yes")
