@@ -31,6 +31,10 @@ and the FP8 GEMM check of the compiled step (``fp8ax.gemm_report``). The ``gemm`
 times one 8192^3 GEMM's forward and backward passes (3 GEMMs, ``jax.vjp``) in bf16 with
 and without the options and through ``fp8ax.Fp8DotGeneral`` with them; ``gemm_triton``
 times the FP8 one compiled with XLA's default options (Triton candidates autotuned).
+``profile:<variant>`` (the ``scan_remat`` stack) and ``profile:gemm`` (the GEMM cases)
+read the GPU kernels of a ``jax.profiler`` trace taken with
+``--xla_enable_command_buffers_during_profiling=true``: launches, GPU busy time, GEMMs
+against the rest, the top kernels (the traced wall time includes the tracer's own cost).
 
 Every part runs in a fresh process (this script with ``--part``) under its own time
 limit, writing a JSON line per result as it goes, so a part cut short still reports. The
@@ -43,6 +47,7 @@ Run::
     python bench/gpu_llama.py                 # on a GPU: bench/results/gpu_llama_<device>.json and .md
     python bench/gpu_llama.py --dry           # tiny sizes, one process per part
     python bench/gpu_llama.py --dry --in-process --parts stack:fp8ax:scan_remat,gemm
+    python bench/gpu_llama.py --parts profile:gemm,gemm_triton --limit gemm_triton=200
 """
 
 from __future__ import annotations
