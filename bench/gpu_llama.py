@@ -267,7 +267,9 @@ def step_flops(s: dict[str, int]) -> float:
     return s["layers"] * (linear + attention)
 
 
-def run_stack(rec: Recorder, variant: str, layout: str, s: dict[str, int], steps: int, gpu: bool) -> None:
+def setup(variant: str, layout: str, s: dict[str, int], gpu: bool):
+    """`(model, opt_state, step, x, y)` for `variant` in `layout`, built and on the device
+    (the model, input and target made by one jitted function: one compile, not one per op)."""
     import equinox as eqx
     import haliax as hax
     import jax
@@ -276,11 +278,7 @@ def run_stack(rec: Recorder, variant: str, layout: str, s: dict[str, int], steps
 
     import fp8ax
 
-    durations = Durations()
     impl = "cudnn" if gpu else None
-    rec(config={**s, "variant": variant, "layout": layout, "attention": impl or "xla", "step_flops": step_flops(s)})
-    t0 = time.perf_counter()
-    block = lambda t: jax.block_until_ready(eqx.filter(t, eqx.is_array))  # noqa: E731
 
     @eqx.filter_jit
     def make(key):
@@ -293,7 +291,29 @@ def run_stack(rec: Recorder, variant: str, layout: str, s: dict[str, int], steps
     axes = (hax.Axis("batch", s["batch"]), hax.Axis("position", s["seq"]), hax.Axis("embed", s["hidden"]))
     x, y = hax.named(x, axes), hax.named(y, axes)
     model, opt_state, step = make_step(variant, model, optax.adam(1e-4))
-    block((model, opt_state, x, y))
+    jax.block_until_ready(eqx.filter((model, opt_state, x, y), eqx.is_array))
+    return model, opt_state, step, x, y
+
+
+def run_stack(rec: Recorder, variant: str, layout: str, s: dict[str, int], steps: int, gpu: bool) -> None:
+    import equinox as eqx
+    import jax
+
+    import fp8ax
+
+    block = lambda t: jax.block_until_ready(eqx.filter(t, eqx.is_array))  # noqa: E731
+    durations = Durations()
+    rec(
+        config={
+            **s,
+            "variant": variant,
+            "layout": layout,
+            "attention": "cudnn" if gpu else "xla",
+            "step_flops": step_flops(s),
+        }
+    )
+    t0 = time.perf_counter()
+    model, opt_state, step, x, y = setup(variant, layout, s, gpu)
     rec(build_s=time.perf_counter() - t0)
 
     durations.reset()
@@ -340,20 +360,8 @@ def run_profile(rec: Recorder, variant: str, s: dict[str, int], gpu: bool, steps
     against the rest, and the wall time the steps took (the gap is the GPU's idle time)."""
     import equinox as eqx
     import jax
-    import jax.numpy as jnp
-    import optax
 
-    import fp8ax
-
-    impl = "cudnn" if gpu else None
-    model = fp8ax.cast_floating(build_model(s, "scan_remat", jax.random.key(0), impl), jnp.bfloat16)
-    shape = (s["batch"], s["seq"], s["hidden"])
-    x, y = (jax.random.normal(jax.random.key(i), shape, jnp.bfloat16) for i in (1, 2))
-    import haliax as hax
-
-    axes = (hax.Axis("batch", s["batch"]), hax.Axis("position", s["seq"]), hax.Axis("embed", s["hidden"]))
-    x, y = hax.named(x, axes), hax.named(y, axes)
-    model, opt_state, step = make_step(variant, model, optax.adam(1e-4))
+    model, opt_state, step, x, y = setup(variant, "scan_remat", s, gpu)
     block = lambda t: jax.block_until_ready(eqx.filter(t, eqx.is_array))  # noqa: E731
     for _ in range(3):
         model, opt_state, loss = step(model, opt_state, x, y)

@@ -48,7 +48,8 @@ def compiler_options() -> dict[str, bool]:
     A new `dict` of XLA debug options, for `jax.jit`'s or `eqx.filter_jit`'s
     `compiler_options` argument (JAX >= 0.4.36). Add your own to it as you like.
     """
-    _ADVISED.append(True)
+    if not _ADVISED:
+        _ADVISED.append(True)
     return {"xla_gpu_enable_triton_gemm": False}
 
 
