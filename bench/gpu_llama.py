@@ -605,6 +605,8 @@ def main() -> int:
         check_part(p)
     for item in args.limit:
         part, _, seconds = item.partition("=")
+        if not seconds.isdigit() or int(seconds) == 0:
+            raise SystemExit(f"--limit: expected PART=SECONDS with a whole number of seconds > 0, got {item!r}")
         check_part(part)
         OVERRIDES[part] = int(seconds)
     lines = Path(tempfile.mkstemp(suffix=".jsonl")[1])

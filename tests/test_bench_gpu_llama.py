@@ -55,3 +55,15 @@ def test_unknown_part_names_what_is_accepted():
     )
     assert proc.returncode != 0
     assert "unknown part 'stack:fp8ax:sideways'" in proc.stderr and "scan_remat" in proc.stderr
+
+
+def test_a_bad_limit_names_the_option_and_the_form():
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry", "--parts", "gemm", "--limit", "gemm=soon"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "--limit: expected PART=SECONDS" in proc.stderr and "'gemm=soon'" in proc.stderr
