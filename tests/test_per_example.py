@@ -24,7 +24,9 @@ def _largest_intermediate(jaxpr) -> tuple[int, str]:
     """The largest array any equation of `jaxpr` (sub-jaxprs included) produces, leaving
     out the FP8 state (last axis 1024 + 2, a `ScalingState`'s array with the default
     history length, or 1024, its history: a layer's states are stacked into one
-    (3, 1026) array, which is state, not data)."""
+    (3, 1026) array, which is state, not data), and the vectors the custom VJP packs its
+    small residuals into (`_gemm/residuals.py`: a `concatenate` of rank 1 holding such
+    states and scalars; an outer product of examples has rank 3)."""
     best = (0, "")
 
     def visit(jx):
@@ -33,6 +35,8 @@ def _largest_intermediate(jaxpr) -> tuple[int, str]:
             for v in eqn.outvars:
                 shape = getattr(v.aval, "shape", ())
                 if shape[-1:] in ((1024,), (1026,)):
+                    continue
+                if eqn.primitive.name == "concatenate" and len(shape) == 1 and shape[0] >= 1026:
                     continue
                 size = int(np.prod(shape))
                 if size > best[0]:

@@ -26,7 +26,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 import fp8ax
-from fp8ax._gemm.residuals import bits_dtype, protect, restore
+from fp8ax._gemm.residuals import bits_dtype, pack, protect, restore, unpack
 from recipe_registry import REGISTRY
 
 # Per-example scales under `vmap` warn once per recipe (tests/test_per_example.py).
@@ -107,6 +107,54 @@ def test_protect_leaves_other_leaves_alone():
     leaf = jax.tree.leaves(out[3])
     assert len(leaf) == 1 and leaf[0].dtype == jnp.uint8
     np.testing.assert_array_equal(np.asarray(restore(out)[3].astype(jnp.float32)), [0.0, 1.0, 2.0])
+
+
+def test_pack_round_trips_small_residuals_exactly():
+    # Scalars, vectors and flags of float32 (NaN, inf, -0.0 and a subnormal included) go
+    # into one float32 vector and come back bit for bit; everything else stays a leaf.
+    scalar = jnp.float32(-0.0)
+    vector = jnp.asarray([1.0, np.nan, -np.inf, 1e-45, 3.5], jnp.float32)
+    flag = jnp.asarray(True)
+    matrix, ints = jnp.ones((2, 3), jnp.float32), jnp.arange(4, dtype=jnp.int32)
+    tree = {"a": (scalar, None, vector), "b": [flag, matrix, ints], "c": jnp.asarray([False, True])}
+    packed = jax.jit(pack)(tree)
+    assert [v.shape for v in packed.vectors] == [(1 + 5 + 1 + 2,)] and packed.vectors[0].dtype == jnp.float32
+    back = jax.jit(unpack)(packed)
+    for got, want in zip(jax.tree.leaves(back), jax.tree.leaves(tree), strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(
+            np.atleast_1d(np.asarray(got)).view(np.uint8), np.atleast_1d(np.asarray(want)).view(np.uint8)
+        )
+    assert jax.tree.structure(back) == jax.tree.structure(tree)
+
+
+def test_a_scanned_layer_keeps_two_small_residuals(getkey):
+    # Inside `lax.scan` each residual is a stacked output of the forward loop, one kernel
+    # per iteration to write: a layer with delayed scaling keeps its small ones (scales,
+    # new states, the gradient's state and plan, its flag "calibrates") in two vectors
+    # instead of nine arrays.
+    layers, n = 3, 16
+    dg = fp8ax.Fp8DotGeneral.init(batch_shape=(layers,))
+    params, static = eqx.partition(dg, eqx.is_array)
+    w = jax.random.normal(getkey(), (layers, n, n))
+    x = jax.random.normal(getkey(), (8, n))
+
+    def loss(params, w):
+        def body(h, pw):
+            p, wi = pw
+            return eqx.combine(p, static)(h, wi, (((1,), (0,)), ((), ()))), None
+
+        return jnp.sum(lax.scan(body, x, (params, w))[0] ** 2)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(params, w)
+    scans = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+    forward = scans[0]  # the forward loop, whose stacked outputs are the residuals
+    small = [
+        v.aval
+        for v in forward.outvars[forward.params["num_carry"] :]
+        if v.aval.dtype in (jnp.float32, jnp.bool_) and v.aval.ndim <= 2
+    ]
+    assert len(small) == 2, small
 
 
 class _Model(eqx.Module):

@@ -49,7 +49,7 @@ from .operands import (
     quantise,
     reduce_to,
 )
-from .residuals import protect, restore
+from .residuals import keep, kept
 from .settings import Role, quantising_recipe
 
 
@@ -94,16 +94,18 @@ def _fwd(call: Call, lhs, rhs, *raw):
         products.get("dlhs") if res_r is qr and is_planned(qr, "rhs") else None,
         products.get("drhs") if res_l is ql and is_planned(ql, "lhs") else None,
     )
-    # Low-precision arrays leave as their bits, which a saving remat policy cannot round
+    # Low-precision arrays leave as their bits, which a saving remat policy cannot round,
+    # and the small float32 ones in one vector, one kernel per layer inside a scan
     # (residuals.py).
-    return out, protect((res_l, res_r, new_l, new_r, states["grad"], plans["grad"], bwd_scales))
+    with_state = (states["lhs"] is not None, states["rhs"] is not None)
+    return out, keep((res_l, res_r), (new_l, new_r), (states["grad"], plans["grad"], bwd_scales), with_state)
 
 
 def _bwd(call: Call, residuals, g):
     if any(call.state_is_max) and _boundaries.in_unchecked_shard_map_transpose():
         raise ValueError(_boundaries.UNCHECKED_SHARD_MAP)
     st = call.settings
-    res_l, res_r, new_l, new_r, g_state, g_plan, (dlhs_scale, drhs_scale) = restore(residuals)
+    (res_l, res_r), (new_l, new_r), (g_state, g_plan, (dlhs_scale, drhs_scale)) = kept(residuals)
     (_, _), (_, rb) = call.dims
     lay = bwd_layout(call.dims, _ndim(res_l), _ndim(res_r))
     hp = st.high_precision_gemms

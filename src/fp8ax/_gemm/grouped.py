@@ -52,7 +52,7 @@ from .operands import (
     quantise,
     reduce_to,
 )
-from .residuals import protect, restore
+from .residuals import keep, kept
 from .settings import Role, quantising_recipe
 
 # The three ragged dots, as `jax.lax.RaggedDotDimensionNumbers`.
@@ -266,8 +266,10 @@ def _fwd(rc: RaggedCall, lhs, rhs, group_sizes, *raw):
     out = ragged_gemm(rc, "fwd", ql, lhs, qr, rhs, group_sizes, call.fwd_precision, call.out_dtype)
     res_l = ql if _reusable(call, "lhs", ql) and "drhs" not in st.high_precision_gemms else lhs
     res_r = qr if _reusable(call, "rhs", qr) and "dlhs" not in st.high_precision_gemms else rhs
-    # As in `dense._fwd`: low-precision arrays leave as their bits (residuals.py).
-    return out, protect((res_l, res_r, group_sizes, new_l, new_r, states["grad"], plans["grad"]))
+    # As in `dense._fwd`: low-precision arrays leave as their bits, small float32 ones
+    # packed (residuals.py).
+    with_state = (plan_states["lhs"] is not None, plan_states["rhs"] is not None)  # one scale for all, from the state
+    return out, keep((res_l, res_r), (group_sizes, new_l, new_r), (states["grad"], plans["grad"]), with_state)
 
 
 def _operand(rc: RaggedCall, role: Role, res, axes, key=None):
@@ -290,7 +292,7 @@ def _backward_precision(precision, qa, qb):
 def _bwd(rc: RaggedCall, residuals, g):
     call = rc.call
     st = call.settings
-    res_l, res_r, group_sizes, new_l, new_r, g_state, g_plan = restore(residuals)
+    (res_l, res_r), (group_sizes, new_l, new_r), (g_state, g_plan) = kept(residuals)
     hp = st.high_precision_gemms
     lhs_shape = res_l.values.shape if isinstance(res_l, QuantizedArray) else res_l.shape
     rhs_shape = res_r.values.shape if isinstance(res_r, QuantizedArray) else res_r.shape
