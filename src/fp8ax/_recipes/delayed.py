@@ -430,13 +430,13 @@ class DelayedScaling(AbstractScalingRecipe):
                 # (`fp8ax.check_state`).
                 # (A corrupt scale is no fallback for a tensor that observes nothing:
                 # `_checked` gives 1 then.)
-                # No fence here: the cast waits on the tensor's amax through the `select`
-                # anyway, and without one XLA fuses the scale's arithmetic into a kernel
-                # it already runs (one scalar kernel less per call on XLA:GPU).
                 used = _formats.select(p.calibrates, self._checked(seen, p.scale, fp8_max), used)
-                inv = _formats.reciprocal(used)
-            elif inv is None:
-                used, inv = _fenced(used)
+                inv = None
+            # The fence serves the calibrating `select` too, though its cast waits on the
+            # amax anyway: without it XLA:GPU splits the scalar checks into several small
+            # kernels (the H100 compile of bench/state_cost.py's MLP: 48 kernels against
+            # 39; inside a scanned stack one fewer per layer).
+            used, inv = _fenced(used, inv) if inv is None else (used, inv)
             values = _formats.quantize(op.x, used, op.dtype, inv=inv)
             history = through_unit(lax.expand_dims(p.inv_unit, (p.inv_unit.ndim,)), history, 0)
             new_scale, new_history = self.next_state(used, history, seen)
