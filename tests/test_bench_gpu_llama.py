@@ -45,25 +45,20 @@ def test_dry_pass_writes_every_measurement(tmp_path):
     assert "stack:fp8ax:scan_remat" in table and "fp8ax 256^3" in table
 
 
-def test_unknown_part_names_what_is_accepted():
+def _refused(*args: str) -> str:
+    """The script's stderr for `--dry` with `args`, which it must refuse."""
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dry", "--parts", "stack:fp8ax:sideways"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
+        [sys.executable, str(SCRIPT), "--dry", *args], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert proc.returncode != 0
-    assert "unknown part 'stack:fp8ax:sideways'" in proc.stderr and "scan_remat" in proc.stderr
+    return proc.stderr
+
+
+def test_unknown_part_names_what_is_accepted():
+    err = _refused("--parts", "stack:fp8ax:sideways")
+    assert "unknown part 'stack:fp8ax:sideways'" in err and "scan_remat" in err
 
 
 def test_a_bad_limit_names_the_option_and_the_form():
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dry", "--parts", "gemm", "--limit", "gemm=soon"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode != 0
-    assert "--limit: expected PART=SECONDS" in proc.stderr and "'gemm=soon'" in proc.stderr
+    err = _refused("--parts", "gemm", "--limit", "gemm=soon")
+    assert "--limit: expected PART=SECONDS" in err and "'gemm=soon'" in err

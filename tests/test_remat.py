@@ -132,7 +132,7 @@ def test_a_scanned_layer_keeps_two_small_residuals(getkey):
     # Inside `lax.scan` each residual is a stacked output of the forward loop, one kernel
     # per iteration to write: a layer with delayed scaling keeps its small ones (scales,
     # new states, the gradient's state and plan, its flag "calibrates") in two vectors
-    # instead of nine arrays.
+    # instead of ten arrays (the count here before they were packed).
     layers, n = 3, 16
     dg = fp8ax.Fp8DotGeneral.init(batch_shape=(layers,))
     params, static = eqx.partition(dg, eqx.is_array)

@@ -95,8 +95,8 @@ def _fwd(call: Call, lhs, rhs, *raw):
         products.get("drhs") if res_l is ql and is_planned(ql, "lhs") else None,
     )
     # Low-precision arrays leave as their bits, which a saving remat policy cannot round,
-    # and the small float32 ones in one vector, one kernel per layer inside a scan
-    # (residuals.py).
+    # and the small float32 and bool ones in two vectors, two kernels per layer inside a
+    # scan (residuals.py).
     with_state = (states["lhs"] is not None, states["rhs"] is not None)
     return out, keep((res_l, res_r), (new_l, new_r), (states["grad"], plans["grad"], bwd_scales), with_state)
 

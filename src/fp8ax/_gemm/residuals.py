@@ -19,6 +19,8 @@
 # A bitcast of equal width moves no data; XLA removes the pair where no remat separates
 # them.
 
+import math
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -75,9 +77,9 @@ def restore(residuals):
 # Inside `lax.scan` (`haliax.nn.Stacked`, Levanter's layers) every residual a custom VJP
 # keeps becomes a stacked output of the forward loop, and XLA writes each one with a
 # `dynamic-update-slice` kernel of its own per iteration. A layer with delayed scaling
-# keeps 9 small ones (the scales its forward casts used, the new lhs and rhs states, the
-# gradient's state, the scalars of its plan and the flag "calibrates"): 9 kernels per
-# layer per step on a GPU, for a few dozen bytes (a Stacked decoder's H100 compile:
+# keeps 9 or 10 small ones (the scales its forward casts used, the new lhs and rhs
+# states, the gradient's state, the scalars of its plan and the flag "calibrates"): as
+# many kernels per layer per step on a GPU, for a few dozen bytes (a Stacked decoder's H100 compile:
 # docs/state.md). `pack` puts every float32 or bool residual of rank 0 or 1 into one
 # float32 vector per set of `jax.shard_map` axes it varies over, and `unpack` slices them
 # back out in the backward pass (slices XLA fuses into their consumers); `keep` packs what
@@ -124,8 +126,7 @@ def unpack(packed: _Packed):
     """The residuals `pack` was given."""
     leaves = list(packed.rest)
     for i, g, start, shape, is_bool in packed.slots:
-        size = int(np.prod(shape, dtype=np.int64))
-        piece = lax.reshape(lax.slice_in_dim(packed.vectors[g], start, start + size), shape)
+        piece = lax.reshape(lax.slice_in_dim(packed.vectors[g], start, start + math.prod(shape)), shape)
         leaves[i] = lax.ne(piece, np.float32(0)) if is_bool else piece
     return jax.tree.unflatten(packed.treedef, leaves)
 
