@@ -25,8 +25,9 @@ def _largest_intermediate(jaxpr) -> tuple[int, str]:
     out the FP8 state (last axis 1024 + 2, a `ScalingState`'s array with the default
     history length, or 1024, its history: a layer's states are stacked into one
     (3, 1026) array, which is state, not data), and the vectors the custom VJP packs its
-    small residuals into (`_gemm/residuals.py`: a `concatenate` of rank 1 holding such
-    states and scalars; an outer product of examples has rank 3)."""
+    small residuals into (`_gemm/residuals.py`: rank 1, holding such states and scalars,
+    made by a `concatenate` and leaving the pass's `jit`; an outer product of examples
+    has rank 3)."""
     best = (0, "")
 
     def visit(jx):
@@ -36,7 +37,7 @@ def _largest_intermediate(jaxpr) -> tuple[int, str]:
                 shape = getattr(v.aval, "shape", ())
                 if shape[-1:] in ((1024,), (1026,)):
                     continue
-                if eqn.primitive.name == "concatenate" and len(shape) == 1 and shape[0] >= 1026:
+                if len(shape) == 1 and shape[0] >= 1026:
                     continue
                 size = int(np.prod(shape))
                 if size > best[0]:
@@ -120,6 +121,7 @@ def test_per_example_scales_warn_once(getkey, monkeypatch):
     # Current scaling quantises each example with its own scale, so the examples cannot
     # share one GEMM: fp8ax says so once, and computes per example as before.
     monkeypatch.setattr(_dense, "_WARNED", set())
+    jax.clear_caches()  # the warning is given while a pass is traced, and JAX caches that
     lin = _linear(getkey, fp8ax.CurrentScaling())
     x = jax.random.normal(getkey(), (8, IN))
     with pytest.warns(UserWarning, match=r"per example under `jax.vmap`.*DelayedScaling") as record:

@@ -50,6 +50,7 @@ def test_first_call_calibration_is_one_program_whose_casts_wait(getkey):
 def test_current_scaling_casts_depend_on_their_amax(getkey, monkeypatch):
     model = _model(getkey, fp8ax.CurrentScaling())
     monkeypatch.setattr(fp8ax._gemm.dense, "_WARNED", set())
+    jax.clear_caches()  # the warning is given while a pass is traced, and JAX caches that
     with pytest.warns(UserWarning, match="per example"):  # the step calls the MLP per example
         walk = _walk_step(model, jax.random.normal(getkey(), (32, 8)))
     assert walk.converts and all(walk.converts)
@@ -168,6 +169,7 @@ def test_forward_operands_are_quantised_together(getkey, monkeypatch):
         return quantize_operands(self, operands)
 
     monkeypatch.setattr(fp8ax.DelayedScaling, "quantize_operands", counting)
+    jax.clear_caches()  # (a pass of the same signature traced before would not be traced again)
     dgs = [fp8ax.Fp8DotGeneral.init() for _ in range(3)]
     ws = [jax.random.normal(getkey(), shape) for shape in ((8, 16), (16, 16), (16, 4))]
     x = jax.random.normal(getkey(), (32, 8))
@@ -202,11 +204,13 @@ def test_gemm_output_scales_are_planned_with_the_operand_scales(getkey, monkeypa
     given = []
 
     def recording(call, qa, a, qb, b, dims, precision, out_dtype, scale=None):
-        # Which GEMM: called from `_fwd`, or through `_gemm_fn` from `_bwd` (input
+        # Which GEMM: called from `_forward`, or through `_gemm_fn` from `_backward` (input
         # gradient) or `_drhs` (weight gradient).
         caller = sys._getframe(1).f_code.co_name
-        if caller != "_fwd":
-            caller = next(f.f_code.co_name for f in _frames(sys._getframe(1)) if f.f_code.co_name in ("_bwd", "_drhs"))
+        if caller != "_forward":
+            caller = next(
+                f.f_code.co_name for f in _frames(sys._getframe(1)) if f.f_code.co_name in ("_backward", "_drhs")
+            )
         given.append((caller, scale is not None))
         return gemm(call, qa, a, qb, b, dims, precision, out_dtype, scale)
 
@@ -219,13 +223,13 @@ def test_gemm_output_scales_are_planned_with_the_operand_scales(getkey, monkeypa
     planned = eqx.filter_jit(lambda m, x: train_step(m, x))(model, x)  # a new function: traced again
     # Each of the three GEMMs of every layer (JAX may trace some twice: `custom_vmap`
     # traces the weight gradient's unbatched function before its rule in jax 0.10).
-    assert {c for c, _ in given} == {"_fwd", "_bwd", "_drhs"} and all(s for _, s in given), given
-    assert sum(c == "_fwd" for c, _ in given) == 3, given
+    assert {c for c, _ in given} == {"_forward", "_backward", "_drhs"} and all(s for _, s in given), given
+    assert sum(c == "_forward" for c, _ in given) == 3, given
     given.clear()
     monkeypatch.setattr(fp8ax.DelayedScaling, "planned_scale", lambda self, plan: None)
     fresh()
     unplanned = eqx.filter_jit(lambda m, x: train_step(m, x))(model, x)
-    assert {c for c, _ in given} == {"_fwd", "_bwd", "_drhs"} and not any(s for _, s in given), given
+    assert {c for c, _ in given} == {"_forward", "_backward", "_drhs"} and not any(s for _, s in given), given
     arrays = lambda m: jax.tree.leaves(eqx.filter(m, eqx.is_array))  # noqa: E731
     assert len(arrays(planned)) == len(arrays(unplanned)) > 9
     for a, b in zip(arrays(planned), arrays(unplanned)):

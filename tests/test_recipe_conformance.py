@@ -136,6 +136,7 @@ def test_under_transforms(name, getkey, monkeypatch):
     # Per example: scales from the state are shared, and the weight gradient is one GEMM;
     # per-example scales make it one GEMM per example, and fp8ax says so.
     monkeypatch.setattr(fp8ax._gemm.dense, "_WARNED", set())
+    jax.clear_caches()  # the warning is given while a pass is traced, and JAX caches that
 
     def per_example(w):
         return jnp.sum(jax.vmap(lambda xi: dg(xi, w, DIMS))(xs) ** 2)

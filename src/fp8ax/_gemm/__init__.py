@@ -9,7 +9,8 @@
 - `dense`: the custom VJP of a `dot_general` (`quantized_dot`);
 - `grouped`: the custom VJP of a ragged dot (mixture-of-experts);
 - `residuals`: what both custom VJPs keep for the backward pass, low-precision arrays as
-  bits (a remat policy that saves residuals would round them).
+  bits (a remat policy that saves residuals would round them);
+- `passes`: both custom VJPs' passes, each traced once per signature (a `jax.jit`).
 
 What the ops, serving and the reports use is exported here.
 """

@@ -27,7 +27,6 @@ from jax.custom_batching import custom_vmap
 from jaxtyping import Array
 
 from .. import _boundaries
-from .._maxgrad import raw_to_max
 from .._quantized import QuantizedArray
 from .dims import bwd_layout, oriented_gemm, sharded_like
 from .kernels import (
@@ -49,6 +48,7 @@ from .operands import (
     quantise,
     reduce_to,
 )
+from .passes import once_per_signature, state_in, state_out
 from .residuals import keep, kept
 from .settings import Role, quantising_recipe
 
@@ -63,6 +63,11 @@ def quantized_dot(call: Call, lhs, rhs, *state) -> Array:
 
 
 def _fwd(call: Call, lhs, rhs, *raw):
+    return _forward(call, lhs, rhs, *state_in(raw))
+
+
+@once_per_signature
+def _forward(call: Call, lhs, rhs, *raw):
     st = call.settings
     states = _states(raw)
     plans, products = _plans(call, states)
@@ -104,6 +109,12 @@ def _fwd(call: Call, lhs, rhs, *raw):
 def _bwd(call: Call, residuals, g):
     if any(call.state_is_max) and _boundaries.in_unchecked_shard_map_transpose():
         raise ValueError(_boundaries.UNCHECKED_SHARD_MAP)
+    dlhs, drhs, *new = _backward(call, residuals, g)
+    return (dlhs, drhs, *state_out(new, call.state_is_max))
+
+
+@once_per_signature
+def _backward(call: Call, residuals, g):
     st = call.settings
     (res_l, res_r), (new_l, new_r), (g_state, g_plan, (dlhs_scale, drhs_scale)) = kept(residuals)
     (_, _), (_, rb) = call.dims
@@ -152,10 +163,7 @@ def _bwd(call: Call, residuals, g):
     # both GEMMs), so all three new states are set.
     new_states = cast(tuple[tuple, tuple, tuple], (new_l, new_r, new_g))
     new = [v for pair in new_states for v in pair]
-    cts = tuple(
-        raw_to_max(v.astype(jnp.float32)) if m else v.astype(jnp.float32) for v, m in zip(new, call.state_is_max)
-    )
-    return (dlhs, drhs, *cts)
+    return (dlhs, drhs, *(v.astype(jnp.float32) for v in new))
 
 
 def _operand(call: Call, role: Role, res, axes, key=None):

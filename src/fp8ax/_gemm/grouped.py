@@ -33,7 +33,6 @@ from jaxtyping import Array
 if TYPE_CHECKING:
     pass
 
-from .._maxgrad import raw_to_max
 from .._quantized import QuantizedArray
 from .operands import (
     Call,
@@ -52,6 +51,7 @@ from .operands import (
     quantise,
     reduce_to,
 )
+from .passes import once_per_signature, state_in, state_out
 from .residuals import keep, kept
 from .settings import Role, quantising_recipe
 
@@ -238,6 +238,11 @@ def ragged_quantized_dot(rc: RaggedCall, lhs, rhs, group_sizes, *state) -> Array
 
 
 def _fwd(rc: RaggedCall, lhs, rhs, group_sizes, *raw):
+    return _forward(rc, lhs, rhs, group_sizes, *state_in(raw))
+
+
+@once_per_signature
+def _forward(rc: RaggedCall, lhs, rhs, group_sizes, *raw):
     call = rc.call
     st = call.settings
     states = _states(raw)
@@ -290,6 +295,12 @@ def _backward_precision(precision, qa, qb):
 
 
 def _bwd(rc: RaggedCall, residuals, g):
+    dlhs, drhs, *new = _backward(rc, residuals, g)
+    return (dlhs, drhs, None, *state_out(new, rc.call.state_is_max))
+
+
+@once_per_signature
+def _backward(rc: RaggedCall, residuals, g):
     call = rc.call
     st = call.settings
     (res_l, res_r), (group_sizes, new_l, new_r), (g_state, g_plan) = kept(residuals)
@@ -351,15 +362,11 @@ def _bwd(rc: RaggedCall, residuals, g):
     dlhs = reduce_to(dlhs, call.lhs_vma, lax.psum)
     drhs = reduce_to(drhs, call.rhs_vma, lax.psum)
     if not call.state_is_max:
-        return dlhs, drhs, None
+        return dlhs, drhs
     # With state, each operand was quantised with its state (the gradient once, shared by
     # both GEMMs), so all three new states are set.
     new_states = cast(tuple[tuple, tuple, tuple], (new_l, new_r, new_g))
-    new = [v for pair in new_states for v in pair]
-    cts = tuple(
-        raw_to_max(v.astype(jnp.float32)) if m else v.astype(jnp.float32) for v, m in zip(new, call.state_is_max)
-    )
-    return (dlhs, drhs, None, *cts)
+    return (dlhs, drhs, *(v.astype(jnp.float32) for pair in new_states for v in pair))
 
 
 ragged_quantized_dot.defvjp(_fwd, _bwd)
