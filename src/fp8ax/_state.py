@@ -87,8 +87,8 @@ class AbstractState:
 
     def _set(self, values, label: str | None) -> None:
         entered = [_enter(v, label) for v in values]
-        object.__setattr__(self, "_values", tuple(v for v, _ in entered))
-        object.__setattr__(self, "_leaves", tuple(leaf for _, leaf in entered))
+        object.__setattr__(self, "_values", tuple([v for v, _ in entered]))
+        object.__setattr__(self, "_leaves", tuple([leaf for _, leaf in entered]))
         object.__setattr__(self, "_axes", None)
         object.__setattr__(self, "_label", label)
         object.__setattr__(self, "_kids", None)
@@ -129,18 +129,19 @@ class AbstractState:
     def _rebuild(cls, label, children) -> Self:
         # The node's static data is the layer's name (see `_labelled`), or None.
         named_array = _haliax.named_array_class()
-        if named_array is None or not any(isinstance(c, named_array) for c in children):
+        if named_array is None:
             return cls._make(children, None, label)
-        values, axes = [], []
+        values, axes, named = [], [], False
         for child in children:
             if isinstance(child, named_array):
                 pairs = _haliax.axis_pairs(child)
                 child = child.array
                 axes.append(_fit(pairs, child))
+                named = True
             else:
                 axes.append(None)
             values.append(child)
-        return cls._make(values, tuple(axes), label)
+        return cls._make(values, tuple(axes), label) if named else cls._make(children, None, label)
 
     @classmethod
     def _make(cls, values, axes, label) -> Self:
@@ -430,14 +431,23 @@ _DIFFERENTIATED = ("JVPTracer", "LinearizeTracer")
 def _enter(x, label: str | None = None):
     """`(value, leaf)`: the value to compute with, and the float32 leaf to flatten it to
     (None: a fresh view at every flatten)."""
-    if getattr(x, "dtype", None) == jnp.bfloat16 and isinstance(x, jax.Array | np.ndarray):
+    # Every unflatten of a model goes through here, once per state value: Equinox's
+    # `filter_jit` unflattens the model three times per call (bench/state_cost.py's
+    # `host_us`), so the common cases are tested first, by dtype identity.
+    dtype = getattr(x, "dtype", None)
+    if dtype is None:
+        return x, x  # None, or a filter's placeholder
+    if dtype == _BF16 and isinstance(x, jax.Array | np.ndarray):
         # A cast of the whole model to bfloat16 (Levanter's and jmp's mixed precision
         # cast every floating leaf): the state computes in float32 again. bfloat16 has
         # float32's exponent range, so every scale and amax survives the round trip, to
         # 8 significant bits; the new state goes back through the cast's transpose,
         # rounded to bfloat16 the same way (docs/state.md, "Mixed precision").
         x = lax.convert_element_type(x, np.float32)
-    if isinstance(x, jax.core.Tracer) and x.dtype == np.float32:
+        dtype = _F32
+    if dtype == _F32:
+        if not isinstance(x, jax.core.Tracer):
+            return x, x
         entry = _SOURCE_OF.get(id(x))
         if entry is not None and entry[0]() is x:
             return entry[1], None  # a view of a max-form value, or a tracer converted before
@@ -448,6 +458,10 @@ def _enter(x, label: str | None = None):
     if is_max(x):
         return x, None
     return x, x
+
+
+_F32 = np.dtype(np.float32)
+_BF16 = np.dtype(jnp.bfloat16)
 
 
 def _view(x):
