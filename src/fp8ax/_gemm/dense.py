@@ -66,7 +66,7 @@ def _fwd(call: Call, lhs, rhs, *raw):
     return _forward(call, lhs, rhs, *state_in(raw))
 
 
-@once_per_signature
+@once_per_signature("fp8ax.Fp8DotGeneral.forward")
 def _forward(call: Call, lhs, rhs, *raw):
     st = call.settings
     states = _states(raw)
@@ -113,7 +113,7 @@ def _bwd(call: Call, residuals, g):
     return (dlhs, drhs, *state_out(new, call.state_is_max))
 
 
-@once_per_signature
+@once_per_signature("fp8ax.Fp8DotGeneral.backward")
 def _backward(call: Call, residuals, g):
     st = call.settings
     (res_l, res_r), (new_l, new_r), (g_state, g_plan, (dlhs_scale, drhs_scale)) = kept(residuals)

@@ -241,7 +241,7 @@ def _fwd(rc: RaggedCall, lhs, rhs, group_sizes, *raw):
     return _forward(rc, lhs, rhs, group_sizes, *state_in(raw))
 
 
-@once_per_signature
+@once_per_signature("fp8ax.Fp8RaggedDot.forward")
 def _forward(rc: RaggedCall, lhs, rhs, group_sizes, *raw):
     call = rc.call
     st = call.settings
@@ -299,7 +299,7 @@ def _bwd(rc: RaggedCall, residuals, g):
     return (dlhs, drhs, None, *state_out(new, rc.call.state_is_max))
 
 
-@once_per_signature
+@once_per_signature("fp8ax.Fp8RaggedDot.backward")
 def _backward(rc: RaggedCall, residuals, g):
     call = rc.call
     st = call.settings

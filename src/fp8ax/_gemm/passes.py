@@ -35,15 +35,25 @@ from .. import _haliax
 from .._maxgrad import as_f32, raw_to_max
 
 
-def once_per_signature(pass_fn):
-    """`pass_fn(call, *args)` (`call`: a `Call` or a `RaggedCall`), traced once per call,
-    argument types and context."""
-    traced = jax.jit(lambda call, context, *args: pass_fn(call, *args), static_argnums=(0, 1))
+def once_per_signature(name: str):
+    """Decorator: `pass_fn(call, *args)` (`call`: a `Call` or a `RaggedCall`), traced once
+    per call, argument types and context. `name` names the `jit` in JAX's op names (the
+    layer's named scope stays outside a shared function: `fp8ax.gemm_report` finds a
+    layer's GEMMs by this name)."""
 
-    def run(call, *args):
-        return traced(call, _context(call), *args)
+    def wrap(pass_fn):
+        def run_pass(call, context, *args):
+            return pass_fn(call, *args)
 
-    return run
+        run_pass.__name__ = run_pass.__qualname__ = name
+        traced = jax.jit(run_pass, static_argnums=(0, 1))
+
+        def run(call, *args):
+            return traced(call, _context(call), *args)
+
+        return run
+
+    return wrap
 
 
 def _context(call):

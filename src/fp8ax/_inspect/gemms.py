@@ -1,4 +1,6 @@
+import bisect
 import dataclasses
+import os
 import pathlib
 import re
 from collections.abc import Callable
@@ -8,12 +10,13 @@ import jax
 
 _FP8_TYPE = re.compile(r"f8E\dM\d(?:FNUZ|FN|B11FNUZ)?", re.IGNORECASE)
 # StableHLO: `stablehlo.dot_general %a, %b, ... : (tensor<4x8xf8E4M3FN>, tensor<...>) -> tensor<...>`
-_SHLO_DOT = re.compile(r"stablehlo\.dot_general[^\n]*?:\s*\(([^)]*)\)\s*->")
 # Optimised HLO: `dot(f8e4m3fn[4,8]{1,0} %a, ...)` or a cuBLAS(Lt) GEMM custom call.
 _HLO_DOT = re.compile(r"=\s*[^\n=]*?\b(dot|custom-call)\(([^)]*)\)([^\n]*)")
 
-# fp8ax's own source files: a matmul traced through them belongs to an fp8ax layer.
-_FP8AX_DIR = str(pathlib.Path(__file__).resolve().parent)
+# fp8ax's own source files: a matmul traced through them belongs to an fp8ax layer (the
+# package's directory, this module's parent's parent, with the separator: not a sibling
+# such as `fp8ax_extras`).
+_FP8AX_DIR = str(pathlib.Path(__file__).resolve().parent.parent) + os.sep
 # The named scope of `Fp8DotGeneral.__call__`, in JAX's name for every op it emits
 # (forward and backward GEMMs alike).
 _FP8AX_SCOPE = "fp8ax.Fp8DotGeneral"
@@ -174,16 +177,6 @@ def _short_path(location: str) -> str:
     return location
 
 
-def _count_lowered(text: str) -> tuple[int, int]:
-    total = fp8 = 0
-    for m in _SHLO_DOT.finditer(text):
-        total += 1
-        operands = m.group(1)
-        if _FP8_TYPE.search(operands):
-            fp8 += 1
-    return fp8, total
-
-
 # --- the matmuls of a program, with their source ---
 
 _MLIR_TYPE = re.compile(r"tensor<([^>]*)>")
@@ -264,18 +257,60 @@ def _location(frames: tuple[str, ...]) -> str | None:
     return next(keep, frames[0] if frames else None)
 
 
+# A function of the lowered module, and a call of one. fp8ax's GEMM passes are functions
+# of their own, shared by every call site of one signature (`_gemm/passes.py`) and named
+# after the layer's scope: the ops inside carry no caller's scope, so a GEMM belongs to an
+# fp8ax layer by the function it is in, and runs once per call of that function.
+_SHLO_FUNC = re.compile(r"^\s*func\.func (?:public |private )?@([\w.$\-]+)\(", re.M)
+_SHLO_CALL = re.compile(r"\bcall @([\w.$\-]+)\(")
+
+
+def _runs_per_function(text: str, funcs: list[tuple[int, str]]) -> dict[str, int]:
+    """How many times one run of the module's entry (`main`) runs each function: the
+    sum over its call sites of the runs of the calling function."""
+    calls: dict[str, list[str]] = {}
+    for k, (start, name) in enumerate(funcs):
+        end = funcs[k + 1][0] if k + 1 < len(funcs) else len(text)
+        calls[name] = _SHLO_CALL.findall(text, start + 1, end)
+    if "main" not in calls:
+        return dict.fromkeys(calls, 1)
+    runs = dict.fromkeys(calls, 0)
+    runs["main"] = 1
+    # A call graph has no cycles; a function's runs are final once every caller's are.
+    for _ in range(len(calls)):
+        new = dict.fromkeys(calls, 0)
+        new["main"] = 1
+        for caller, callees in calls.items():
+            for callee in callees:
+                if callee in new:
+                    new[callee] += runs[caller]
+        if new == runs:
+            break
+        runs = new
+    return runs
+
+
 def _lowered_gemms(text: str) -> tuple[Gemm, ...]:
+    """Every `dot_general` the lowered module runs, as many times as it runs (a shared
+    function's once per call)."""
     locs = _Locations(text)
+    funcs = [(m.start(), m.group(1)) for m in _SHLO_FUNC.finditer(text)]
+    starts = [start for start, _ in funcs]
+    runs = _runs_per_function(text, funcs)
     out = []
     for m in _SHLO_DOT_LINE.finditer(text):
         operands, result, loc = m.groups()
         types = _MLIR_TYPE.findall(operands)
         lhs, rhs = (_mlir_type(f"tensor<{t}>") for t in (types + ["", ""])[:2])
         name, frames = locs.resolve(loc)
+        func = funcs[bisect.bisect_right(starts, m.start()) - 1][1] if funcs and starts[0] <= m.start() else ""
         fp8ax = _issued_by_fp8ax(name, frames)
-        out.append(
-            Gemm(lhs, rhs, _mlir_type(result), bool(_FP8_TYPE.search(operands)), fp8ax, name, _location(frames), frames)
+        if _FP8AX_SCOPE in func:
+            fp8ax, name = True, f"{func}/{name}"
+        gemm = Gemm(
+            lhs, rhs, _mlir_type(result), bool(_FP8_TYPE.search(operands)), fp8ax, name, _location(frames), frames
         )
+        out += [gemm] * runs.get(func, 1)
     return tuple(out)
 
 
@@ -365,9 +400,9 @@ def gemm_report(fn: Callable, *args, **kwargs) -> GemmReport:
     jitted = fn if hasattr(fn, "lower") else eqx.filter_jit(fn)
     lowered = jitted.lower(*args, **kwargs)
     lowered = getattr(lowered, "lowered", lowered)  # eqx.filter_jit wraps JAX's `Lowered`
-    lf, lt = _count_lowered(lowered.as_text())
     compiled_text = lowered.compile().as_text()
     low = _lowered_gemms(lowered.as_text(debug_info=True))
+    lf, lt = sum(g.fp8 for g in low), len(low)
     compiled = _compiled_gemms(compiled_text, low)
     return GemmReport(
         backend=_platform(lowered),
