@@ -2,8 +2,10 @@
 of first-call calibration, and the one settings object."""
 
 import dataclasses
+import re
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import equinox as eqx
 import jax
@@ -234,3 +236,47 @@ def test_gemm_output_scales_are_planned_with_the_operand_scales(getkey, monkeypa
     assert len(arrays(planned)) == len(arrays(unplanned)) > 9
     for a, b in zip(arrays(planned), arrays(unplanned)):
         np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+def test_layers_of_one_shape_share_one_traced_pass(getkey):
+    # `_gemm/passes.py`: each custom-VJP pass is a `jax.jit` keyed on the call's static
+    # part, so four layers of one shape are traced once, and the lowered module holds one
+    # forward and one backward function, called four times each. (Before, each layer's
+    # passes were traced and lowered inline: the first step grew with depth.)
+    dgs = [fp8ax.Fp8DotGeneral.init() for _ in range(4)]
+    ws = [jax.random.normal(getkey(), (16, 16)) for _ in range(4)]
+    x = jax.random.normal(getkey(), (8, 16))
+    dims = (((1,), (0,)), ((), ()))
+
+    def loss(dgs):
+        y = x
+        for dg, w in zip(dgs, ws):
+            y = dg(y, w, dims)
+        return jnp.sum(y**2)
+
+    text = eqx.filter_jit(eqx.filter_grad(loss)).lower(dgs).lowered.as_text()
+    for name in ("fp8ax.Fp8DotGeneral.forward", "fp8ax.Fp8DotGeneral.backward"):
+        defined = re.findall(rf"func\.func private @({re.escape(name)}\w*)\(", text)
+        assert defined == [name], (name, defined)
+        assert len(re.findall(rf"\bcall @{re.escape(name)}\(", text)) == 4, name
+
+
+def test_a_pass_is_keyed_on_haliax_axis_mapping():
+    # A pass that lays out the FP8 weight by Haliax's axis mapping (the FP8 all-gather)
+    # reads the mapping while it is traced, so the mapping is part of its key: another
+    # mapping traces it again; a call that does not lay out by it is not keyed on it.
+    hax = pytest.importorskip("haliax")
+    from fp8ax._gemm.passes import _context
+
+    def call(axes):
+        return SimpleNamespace(settings=SimpleNamespace(fp8_all_gather_axes=axes))
+
+    gathered = call(("embed", "mlp"))
+    assert _context(gathered) is None  # no mapping in effect
+    with hax.axis_mapping({"embed": "data"}):
+        data = _context(gathered)
+        assert _context(call(None)) is None
+    with hax.axis_mapping({"embed": "model", "mlp": ("data", "model")}):
+        model = _context(gathered)
+    assert data == (("embed", "data"),) and model == (("embed", "model"), ("mlp", ("data", "model")))
+    hash(model)  # a static argument of `jax.jit`

@@ -33,7 +33,9 @@ class Gemm:
     - `fp8ax`: whether an fp8ax layer ([`fp8ax.Fp8DotGeneral`][]) issued it: its forward
       GEMM or one of its two gradient GEMMs.
     - `name`: JAX's name for the op: the transformations and named scopes it was traced
-      under, e.g. `jvp(eqx.nn.MultiheadAttention)/vmap(sd,Sd->sS)/dot_general`.
+      under, e.g. `jvp(eqx.nn.MultiheadAttention)/vmap(sd,Sd->sS)/dot_general`; for a
+      GEMM of an fp8ax layer in the lowered program, the shared function it is in and its
+      name there (`fp8ax.Fp8DotGeneral.forward/dot_general`).
     - `location`: `"file:line"` of the code that issued it: the innermost frame outside
       JAX, fp8ax and the wrappers of Equinox and Haliax that only pass calls on (for an
       fp8ax GEMM, where the layer was called); None if unknown.
