@@ -155,9 +155,17 @@ class _Wrapped(fp8ax.AbstractScalingRecipe):
 @pytest.mark.parametrize(
     "broken, error, match",
     [
-        ("bare state", TypeError, r"_Wrapped must return the new state as a tuple of 1 arrays .*got ArrayImpl\."),
+        (
+            "bare state",
+            TypeError,
+            r"_Wrapped must return the new state as a tuple of 1 arrays .*got an array of shape \(\) and dtype float32\.",
+        ),
         ("state shape", ValueError, r"_Wrapped returned a new state array of shape \(2,\) for one of shape \(\)"),
-        ("values", TypeError, r"_Wrapped must quantise to an `fp8ax.QuantizedArray`, got ArrayImpl"),
+        (
+            "values",
+            TypeError,
+            r"_Wrapped must quantise to an `fp8ax.QuantizedArray`, got an array of shape \(4, 16\) and dtype float8_e4m3fn",
+        ),
     ],
 )
 def test_a_half_written_recipe_fails_where_it_is_wrong(broken, error, match, getkey):

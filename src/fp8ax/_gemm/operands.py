@@ -104,13 +104,13 @@ def _checked_result(recipe, op, result):
         )
     q, new = result
     if not isinstance(q, QuantizedArray):
-        raise TypeError(f"{name} must quantise to an `fp8ax.QuantizedArray`, got {type(q).__name__}.")
+        raise TypeError(f"{name} must quantise to an `fp8ax.QuantizedArray`, got {_described(q)}.")
     if op.state is None:
         return result
     if not (isinstance(new, tuple | list) and len(new) == len(op.state)):
         raise TypeError(
             f"{name} must return the new state as a tuple of {len(op.state)} arrays (one per field of its state "
-            f"type, in order, as it received them), got {type(new).__name__}"
+            f"type, in order, as it received them), got {_described(new)}"
             + (f" of length {len(new)}." if isinstance(new, tuple | list) else ".")
         )
     for old, value in zip(op.state, new):
@@ -119,6 +119,14 @@ def _checked_result(recipe, op, result):
                 f"{name} returned a new state array of shape {jnp.shape(value)} for one of shape {jnp.shape(old)}."
             )
     return q, tuple(new)
+
+
+def _described(x) -> str:
+    """What a recipe returned, for an error: an array by its shape and dtype (a recipe runs
+    traced, inside the GEMM pass's `jit`, so its arrays are tracers), else its type."""
+    if isinstance(x, jax.Array):
+        return f"an array of shape {tuple(x.shape)} and dtype {x.dtype}"
+    return type(x).__name__
 
 
 def _by_recipe(call: Call, roles) -> list:
