@@ -9,7 +9,6 @@ import equinox as eqx
 import jax
 
 _FP8_TYPE = re.compile(r"f8E\dM\d(?:FNUZ|FN|B11FNUZ)?", re.IGNORECASE)
-# StableHLO: `stablehlo.dot_general %a, %b, ... : (tensor<4x8xf8E4M3FN>, tensor<...>) -> tensor<...>`
 # Optimised HLO: `dot(f8e4m3fn[4,8]{1,0} %a, ...)` or a cuBLAS(Lt) GEMM custom call.
 _HLO_DOT = re.compile(r"=\s*[^\n=]*?\b(dot|custom-call)\(([^)]*)\)([^\n]*)")
 
@@ -268,8 +267,8 @@ _SHLO_CALL = re.compile(r"\bcall @([\w.$\-]+)\(")
 
 
 def _runs_per_function(text: str, funcs: list[tuple[int, str]]) -> dict[str, int]:
-    """How many times one run of the module's entry (`main`) runs each function: the
-    sum over its call sites of the runs of the calling function."""
+    """How many times one run of the module's entry (`main`) runs each function: once per
+    run of each call site (a call graph has no cycles)."""
     calls: dict[str, list[str]] = {}
     for k, (start, name) in enumerate(funcs):
         end = funcs[k + 1][0] if k + 1 < len(funcs) else len(text)
@@ -277,18 +276,13 @@ def _runs_per_function(text: str, funcs: list[tuple[int, str]]) -> dict[str, int
     if "main" not in calls:
         return dict.fromkeys(calls, 1)
     runs = dict.fromkeys(calls, 0)
-    runs["main"] = 1
-    # A call graph has no cycles; a function's runs are final once every caller's are.
-    for _ in range(len(calls)):
-        new = dict.fromkeys(calls, 0)
-        new["main"] = 1
-        for caller, callees in calls.items():
-            for callee in callees:
-                if callee in new:
-                    new[callee] += runs[caller]
-        if new == runs:
-            break
-        runs = new
+
+    def run(name: str) -> None:
+        runs[name] += 1
+        for callee in calls.get(name, ()):
+            run(callee)
+
+    run("main")
     return runs
 
 
