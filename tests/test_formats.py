@@ -174,3 +174,64 @@ def test_as_fp8_dtype_rejects_non_fp8():
     for bad in (jnp.bfloat16, jnp.int8, "float32", "nonsense", None):
         with pytest.raises(TypeError, match="`fwd_dtype` must be an 8-bit floating-point dtype"):
             _formats.as_fp8_dtype(bad, "fwd_dtype")
+
+
+def test_computed_once_keeps_every_value_bit_for_bit():
+    # NaN, infinities, signed zeros, the smallest subnormal and the largest float32, and
+    # booleans, in a tree of scalars and small arrays: the reduction against -inf returns
+    # each of them unchanged.
+    specials = np.array(
+        [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, -1e-45, 3.4028235e38, -3.4028235e38, 1.0, 448.0], np.float32
+    )
+    tree = {
+        "vector": specials,
+        "scalar": np.float32(-0.0),
+        "flags": np.array([True, False, True]),
+        "flag": np.bool_(False),
+        "matrix": specials[:10].reshape(2, 5),
+        "count": np.int32(7),  # not float32 or bool: passed through
+        "none": None,
+    }
+    out = jax.jit(_formats.computed_once)(tree)
+    assert out["none"] is None
+    for key in ("vector", "scalar", "matrix"):
+        got = np.asarray(out[key])
+        assert got.dtype == np.float32 and got.shape == np.shape(tree[key])
+        np.testing.assert_array_equal(got.view(np.uint32), np.asarray(tree[key], np.float32).view(np.uint32))
+    for key in ("flags", "flag", "count"):
+        assert np.asarray(out[key]).dtype == np.asarray(tree[key]).dtype
+        np.testing.assert_array_equal(np.asarray(out[key]), tree[key])
+
+
+def _chain(v):
+    # A chain of cheap scalar operations, as a delayed scale is.
+    for i in range(20):
+        v = jax.lax.select(v > np.float32(i / 100), v * np.float32(1.0001) + np.float32(0.5), v - np.float32(0.25))
+    return v
+
+
+@pytest.mark.parametrize("shape", [(), (3,)])
+def test_computed_once_keeps_a_scalar_chain_out_of_its_readers(shape):
+    # Six scaled casts, each before a GEMM, read the chain's result. XLA:CPU copies the
+    # chain into each of their fusions (6 x 20 selects); behind `computed_once` it is
+    # computed once (20). The count is of the optimised program, the thing
+    # `computed_once` exists to change.
+    def step(state, xs, once):
+        v = _chain(state)
+        if once:
+            v = _formats.computed_once(v)
+        scaled = [x * (v if v.ndim == 0 else v[i % 3]) for i, x in enumerate(xs)]
+        return [s.astype(jnp.float8_e4m3fn).astype(jnp.float32) @ x.T for s, x in zip(scaled, xs)]
+
+    state = jnp.ones(shape, jnp.float32)
+    xs = [jnp.full((64, 64), i, jnp.float32) for i in range(6)]
+    selects = {}
+    for once in (False, True):
+        text = jax.jit(step, static_argnums=2).lower(state, xs, once).compile().as_text()
+        selects[once] = text.count(" select(")
+    assert selects[True] <= 20 + 6, selects  # the chain once (and a select per cast at most)
+    assert selects[False] >= 6 * 20, selects  # (XLA still copies the chain without it)
+    a = jax.jit(step, static_argnums=2)(state, xs, False)
+    b = jax.jit(step, static_argnums=2)(state, xs, True)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x).view(np.uint32), np.asarray(y).view(np.uint32))

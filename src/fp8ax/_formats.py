@@ -7,6 +7,8 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, ArrayLike
 
+from ._boundaries import vma
+
 # The 8-bit floating-point formats fp8ax quantises to.
 FP8_DTYPES: tuple[np.dtype, ...] = tuple(
     np.dtype(t) for t in (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz)
@@ -106,6 +108,41 @@ def select(pred: ArrayLike, on_true: ArrayLike, on_false: ArrayLike) -> Array:
         on_false = lax.convert_element_type(on_false, on_true.dtype)
     shape = lax.broadcast_shapes(pred.shape, on_true.shape, on_false.shape)
     return lax.select(broadcast(pred, shape), broadcast(on_true, shape), broadcast(on_false, shape))
+
+
+def computed_once(tree):
+    """`tree`'s arrays, the same values (exactly), each computed once into a buffer, and
+    behind an optimisation barrier.
+
+    XLA:CPU drops optimisation barriers before it fuses, and then copies a chain of cheap
+    elementwise operations into every fusion that reads its result. A delayed scale is
+    such a chain (some 20 to 40 scalar operations from the state to the scale), read by
+    the casts, the GEMMs' output scaling (fused into the optimiser's update) and the next
+    state: copied into each, it made up a third of a deep model's optimised program and
+    of its compile time. A reduction's result is not copied into its readers. So the
+    float32 and bool arrays (the bools as 0 and 1) of the same manual axes go into one
+    vector, which is reduced with `max` against the identity of `max`: one small
+    reduction for the whole tree, which the chains fuse into. The identity fills seven
+    rows, not one: XLA rewrites a reduction of two rows into its elementwise form, which
+    is copied again. Other arrays pass unchanged."""
+    leaves, treedef = jax.tree.flatten(tree)
+    groups: dict = {}
+    for i, leaf in enumerate(leaves):
+        leaf = leaves[i] = _as_array(leaf)
+        if leaf.dtype == np.bool_ or leaf.dtype == np.float32:
+            groups.setdefault(vma(leaf), []).append(i)
+    for idx in groups.values():
+        parts = [lax.reshape(lax.convert_element_type(leaves[i], np.float32), (leaves[i].size,)) for i in idx]
+        flat = lax.concatenate(parts, 0)
+        rows = lax.concatenate([lax.expand_dims(flat, (0,)), lax.full_like(flat, -np.inf, shape=(7, flat.size))], 0)
+        once = lax.reduce_max(rows, (0,))
+        start = 0
+        for i in idx:
+            leaf, size = leaves[i], leaves[i].size
+            part = lax.reshape(lax.slice_in_dim(once, start, start + size), leaf.shape)
+            leaves[i] = lax.ne(part, np.float32(0)) if leaf.dtype == np.bool_ else part
+            start += size
+    return lax.optimization_barrier(jax.tree.unflatten(treedef, leaves))
 
 
 def broadcast(x: Array, shape: tuple[int, ...]) -> Array:

@@ -161,8 +161,9 @@ def apply_updates(model: T, updates: T | None, overwrite: T | None) -> T:
                 optimised.extend(v for v in jtu.tree_leaves(u) if isinstance(v, jax.Array))
             if o is None:
                 return m
-            merge = getattr(m, "_overwritten_by", None)
-            return o if merge is None else merge(o)
+            # (Through the class: an Equinox module's bound method flattens the module.)
+            merge = getattr(type(m), "_overwritten_by", None)
+            return o if merge is None else merge(m, o)
         if o is not None:
             raise ValueError(
                 f"`overwrite` holds a value for the ordinary parameter at `{jtu.keystr(path)}`. `overwrite` must be "

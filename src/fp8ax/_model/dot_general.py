@@ -25,7 +25,7 @@ from .._gemm import (
     quantized_dot,
     settings_from,
 )
-from .._maxgrad import is_max, note_called
+from .._maxgrad import is_max, note_called, to_f32
 from .._recipes import AbstractScalingRecipe
 from .._state import CORRUPT_STATE, AbstractState, OverwriteWithGradient
 from .advice import advise_gpu_compile
@@ -154,7 +154,7 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
         lhs = check_operand(lhs, "lhs")
         rhs = check_operand(rhs, "rhs")
         check_explicit_sharding("fp8ax.Fp8DotGeneral", st, lhs, rhs)
-        lhs, rhs, raw, state_is_max = self._begin_call(lhs, rhs)
+        lhs, rhs, raw, state_is_max = Fp8DotGeneral._begin_call(self, lhs, rhs)
         call = make_call(
             st,
             lhs.shape,
@@ -199,11 +199,22 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
         if st.compute_dtype is not None:
             lhs = lhs.astype(st.compute_dtype)
             rhs = rhs.astype(st.compute_dtype)
-        raw = self._raw_state()
+        # (Methods of an Equinox module are called through the class in the paths every
+        # call and step take: `self.method` builds a bound-method module, which
+        # flattens `self`, a fresh view of each traced state: see `_state._view`.)
+        raw = Fp8DotGeneral._raw_state(self)
         state_is_max = tuple(is_max(v) for v in raw)
         if any(state_is_max):
             check_eager_shard_map()
-        self._refuse_corrupt_state(raw)
+            # A float32 view of each state value, never used: where the call runs in a
+            # branch of a per-example `lax.cond` under `vmap` (the state closed over), the
+            # view's batching rule is where fp8ax recognises the rule that would sum the
+            # state, and refuses if the step is differentiated (`_boundaries.py`). Dead
+            # code otherwise, which JAX drops.
+            for v in raw:
+                if is_max(v):
+                    to_f32(v)
+        Fp8DotGeneral._refuse_corrupt_state(self, raw)
         advise_gpu_compile()
         return lhs, rhs, raw, state_is_max
 
@@ -244,9 +255,7 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
         if self.lhs is None:
             return self
         states = tuple(cast(AbstractState, s)._named(batch_axes) for s in (self.lhs, self.rhs, self.grad))
-        return eqx.tree_at(
-            lambda m: (m.lhs, m.rhs, m.grad), self, states, is_leaf=lambda x: isinstance(x, AbstractState)
-        )
+        return _with_states(self, states)
 
     def _labelled(self, path: str) -> "Fp8DotGeneral":
         """This op with its states named after the layer at `path` (for the warning about
@@ -254,9 +263,7 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
         if self.lhs is None:
             return self
         states = tuple(cast(AbstractState, s)._labelled(path) for s in (self.lhs, self.rhs, self.grad))
-        return eqx.tree_at(
-            lambda m: (m.lhs, m.rhs, m.grad), self, states, is_leaf=lambda x: isinstance(x, AbstractState)
-        )
+        return _with_states(self, states)
 
     def _overwritten_by(self, new: "Fp8DotGeneral") -> "Fp8DotGeneral":
         # Used by `apply_updates`: take the new state of every layer the step used.
@@ -267,9 +274,7 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
         old = cast(tuple[AbstractState, ...], (self.lhs, self.rhs, self.grad))
         written = cast(tuple[AbstractState, ...], (new.lhs, new.rhs, new.grad))
         states = tuple(o._overwritten_by(n) for o, n in zip(old, written))
-        return eqx.tree_at(
-            lambda m: (m.lhs, m.rhs, m.grad), self, states, is_leaf=lambda x: isinstance(x, AbstractState)
-        )
+        return _with_states(self, states)
 
     # Haliax state dicts (`haliax.state_dict.to_state_dict`, Hugging Face export) hold
     # weights only: the FP8 state is training state, kept by training checkpoints
@@ -284,6 +289,17 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
         """Haliax state-dict hook: keeps this module's FP8 state as it is."""
         del state_dict, prefix
         return self
+
+
+def _with_states(op: Fp8DotGeneral, states: tuple) -> Fp8DotGeneral:
+    """`op` with its `(lhs, rhs, grad)` states replaced, everything else shared. Written
+    out rather than `eqx.tree_at`, which flattens `op` twice: with a traced state, each
+    flatten makes a fresh view of each state value (`_state._view`), per layer and step."""
+    new = object.__new__(type(op))
+    new.__dict__.update(op.__dict__)
+    for name, state in zip(("lhs", "rhs", "grad"), states, strict=True):
+        object.__setattr__(new, name, state)
+    return new
 
 
 def make_call(

@@ -221,7 +221,7 @@ class Fp8RaggedDot(Fp8DotGeneral):
                     raise ValueError(
                         f"This layer's {what} state is for {experts} experts, but `rhs` has {rhs.shape[0]}."
                     )
-        lhs, rhs, raw, state_is_max = self._begin_call(lhs, rhs)
+        lhs, rhs, raw, state_is_max = Fp8DotGeneral._begin_call(self, lhs, rhs)
         if preferred_element_type is not None:
             preferred_element_type = np.dtype(preferred_element_type)
             if not jnp.issubdtype(preferred_element_type, jnp.floating):

@@ -45,6 +45,12 @@ def _bad_scale(scale):
     return lax.bitwise_not(_positive_finite(scale))
 
 
+def _kept_scale(scale):
+    """The scale a call keeps when it has no amax: the state's, or 1 (a fresh state's)
+    where that is 0 or corrupt."""
+    return _formats.select(_bad_scale(scale), lax.full_like(scale, 1), scale)
+
+
 def _corrupt(longest, lowest, scale):
     """Whether a state holds values no fp8ax update writes (see `_history_bounds`)."""
     bad_history = lax.bitwise_or(lax.bitwise_not(lax.is_finite(longest)), lax.lt(lowest, np.float32(0)))
@@ -57,17 +63,6 @@ def _calibrates(longest, lowest, scale, corrupt=None):
     if corrupt is None:
         corrupt = _corrupt(longest, lowest, scale)
     return lax.bitwise_or(lax.eq(longest, np.float32(0)), corrupt)
-
-
-def _fenced(used, inv=None):
-    """`(used, 1 / used)` behind an optimisation barrier: the scale a cast uses, computed
-    apart from everything that reads the tensor's amax. Without it XLA:GPU merges the
-    scalar arithmetic of the scale with that of the next state (one multi-output fusion
-    of the two `select`s), and the FP8 cast then waits on the reduction of its own input,
-    a second pass over the tensor that delayed scaling exists to avoid."""
-    if inv is None:
-        inv = _formats.reciprocal(used)
-    return lax.optimization_barrier((used, inv))
 
 
 def _required_states(states) -> list[tuple[Array, ...]]:
@@ -91,7 +86,7 @@ class _Plan(NamedTuple):
 
     calibrates: Array | None  # the operand's flag "calibrates" (None without `calibrate_first_call`)
     inv_unit: Array  # `unit_inverse` of the state's unit, which reads the stored values
-    scale: Array  # the scale the state stands for
+    scale: Array  # the scale the state stands for, or 1 where that is 0 or corrupt (`_kept_scale`)
     longest: Array | None  # the history's max (None where the delayed scale is planned)
     lowest: Array | None  # and min
     used: Array | None = None  # the delayed scale, from the state alone (None if planned without formats)
@@ -262,7 +257,7 @@ class DelayedScaling(AbstractScalingRecipe):
     def state_history(self, state):
         return read_state(tuple(state))[1]
 
-    def _checked(self, amax, scale, fp8_max, *, finite_amax: bool = False):
+    def _checked(self, amax, scale, fp8_max, *, kept: bool = False):
         # One multiply by a float32 constant, `2**margin / fp8_max` rounded once. Flax's
         # `1 / ((fp8_max / amax) / 2**margin)` is the same number mathematically, but XLA
         # simplifies it differently in different programs (inside `lax.scan` or not),
@@ -274,17 +269,18 @@ class DelayedScaling(AbstractScalingRecipe):
         # smaller product would be flushed to zero (XLA does on CPUs and GPUs), which
         # used to keep the old scale and flush a tensor of tiny values (amax below about
         # 5.3e-36 for E4M3) to zero.
+        #
+        # This runs on scalars, several times per layer, and XLA:CPU copies it into each
+        # fusion that reads its result: it is kept to the fewest operations.
         factor = np.float32(2.0**self.margin) / np.asarray(fp8_max, np.float64)
         new = _formats.scale_from_amax(amax, factor.astype(np.float32))
-        # The scale kept when there is no amax is never 0 or corrupt: 1 then, as a
-        # fresh state's.
-        scale = _formats.select(_bad_scale(scale), lax.full_like(scale, 1), scale)
-        if finite_amax and np.all(factor <= 1):
-            # A finite amax times a factor <= 1 cannot overflow: only zero (an empty
-            # history) remains.
-            return _formats.select(lax.gt(amax, np.float32(0)), new, scale)
-        # Covers a zero, NaN or inf amax, and a product that overflows.
-        return _formats.select(lax.bitwise_and(_positive_finite(amax), lax.is_finite(new)), new, scale)
+        if not kept:
+            scale = _kept_scale(scale)
+        usable = _positive_finite(amax)
+        if not np.all(factor <= 1):
+            # A finite amax times a factor <= 1 cannot overflow; a larger factor can.
+            usable = lax.bitwise_and(usable, lax.is_finite(new))
+        return _formats.select(usable, new, scale)
 
     def _past_amax(self, amax_history, longest):
         return longest if self.amax_compute_algo == "max" else amax_history[..., 0]
@@ -354,6 +350,8 @@ class DelayedScaling(AbstractScalingRecipe):
             units, scales, histories = stored_parts(stacked)
             inv_units = unit_inverse(units)
             scales, longest, lowest = _through_unit(inv_units, scales, *_history_bounds(histories))
+            flags = _calibrates(longest, lowest, scales) if self.calibrate_first_call else None
+            scales = _kept_scale(scales)
             used = inv = None
             if dtypes is not None:
                 if self.amax_compute_algo == "max":
@@ -362,9 +360,11 @@ class DelayedScaling(AbstractScalingRecipe):
                     newest = lax.index_in_dim(histories, 0, axis=histories.ndim - 1, keepdims=False)
                     past = through_unit(inv_units, newest, 0)
                 past = _formats.select(lax.ge(lowest, np.float32(0)), past, lax.full_like(longest, 0))
-                used = self._checked(past, scales, tuple(_formats.fp8_max(dtypes[i]) for i in idx))
+                used = self._checked(past, scales, tuple(_formats.fp8_max(dtypes[i]) for i in idx), kept=True)
                 inv = _formats.reciprocal(used)
-            flags = _calibrates(longest, lowest, scales) if self.calibrate_first_call else None
+            flags, inv_units, scales, longest, lowest, used, inv = _formats.computed_once(
+                (flags, inv_units, scales, longest, lowest, used, inv)
+            )
             columns = [
                 _columns(a, len(idx))
                 for a in (
@@ -403,12 +403,11 @@ class DelayedScaling(AbstractScalingRecipe):
         states = _required_states([op.state for op in operands])
         if any(op.plan is None for op in operands):
             plans = self.plan(states, [op.dtype for op in operands])
-            plans = lax.optimization_barrier(plans)  # see `_fenced` (the pipeline does this itself)
+            plans = lax.optimization_barrier(plans)  # see below (the pipeline does this itself)
             operands = [op._replace(plan=p) for op, p in zip(operands, plans)]
-        results = []
+        scales, seen_amaxes = [], []
         for op, state in zip(operands, states):  # (`_replace` keeps the order)
             p = op.plan
-            history = stored_history(state)
             fp8_max = _formats.fp8_max(op.dtype)
             if p.used is not None:
                 used, inv = p.used, p.inv  # planned from the state alone
@@ -416,9 +415,9 @@ class DelayedScaling(AbstractScalingRecipe):
                 if self.amax_compute_algo == "max":
                     past = p.longest
                 else:
-                    past = through_unit(p.inv_unit, _column(history, 0), 0)
+                    past = through_unit(p.inv_unit, _column(stored_history(state), 0), 0)
                 past = _formats.select(lax.ge(p.lowest, np.float32(0)), past, lax.full_like(p.longest, 0))
-                used = self._checked(past, p.scale, fp8_max)
+                used = self._checked(past, p.scale, fp8_max, kept=True)
                 inv = None
             # One observation for the whole call: under `vmap` and `shard_map`, the max
             # over the examples and shards the state does not vary over.
@@ -430,15 +429,29 @@ class DelayedScaling(AbstractScalingRecipe):
                 # (`fp8ax.check_state`).
                 # (A corrupt scale is no fallback for a tensor that observes nothing:
                 # `_checked` gives 1 then.)
-                used = _formats.select(p.calibrates, self._checked(seen, p.scale, fp8_max), used)
+                used = _formats.select(p.calibrates, self._checked(seen, p.scale, fp8_max, kept=True), used)
                 inv = None
-            # The fence serves the calibrating `select` too, though its cast waits on the
-            # amax anyway: without it XLA:GPU splits the scalar checks into several small
-            # kernels (the H100 compile of bench/state_cost.py's MLP: 48 kernels against
-            # 39; inside a scanned stack one fewer per layer).
-            used, inv = _fenced(used, inv) if inv is None else (used, inv)
+            scales.append((used, _formats.reciprocal(used) if inv is None else inv))
+            seen_amaxes.append(seen)
+        # The scales not planned from the state alone (a calibrating `select`, which reads
+        # the amax) are computed once for the call's operands, apart from everything else
+        # that reads the amax. Without the fence XLA:GPU merges the scalar arithmetic of
+        # the scale with that of the next state (one multi-output fusion of the two
+        # `select`s), and the FP8 cast waits on the reduction of its own input; it also
+        # splits the scalar checks into several small kernels (the H100 compile of
+        # bench/state_cost.py's MLP: 48 kernels against 39; inside a scanned stack one
+        # fewer per layer). XLA:CPU would copy them into every fusion that reads the
+        # scale (`computed_once`).
+        fresh = [i for i, op in enumerate(operands) if op.plan.used is None or op.plan.calibrates is not None]
+        if fresh:
+            once = _formats.computed_once([scales[i] for i in fresh])
+            for i, pair in zip(fresh, once):
+                scales[i] = pair
+        results = []
+        for op, state, (used, inv), seen in zip(operands, states, scales, seen_amaxes):
+            p = op.plan
             values = _formats.quantize(op.x, used, op.dtype, inv=inv)
-            history = through_unit(lax.expand_dims(p.inv_unit, (p.inv_unit.ndim,)), history, 0)
+            history = through_unit(lax.expand_dims(p.inv_unit, (p.inv_unit.ndim,)), stored_history(state), 0)
             new_scale, new_history = self.next_state(used, history, seen)
             new_state: tuple = (new_scale, new_history)
             if len(state) != 2:  # the unit: 1 where the call observed something (its new scale is > 0)
