@@ -110,25 +110,44 @@ def select(pred: ArrayLike, on_true: ArrayLike, on_false: ArrayLike) -> Array:
     return lax.select(broadcast(pred, shape), broadcast(on_true, shape), broadcast(on_false, shape))
 
 
-def computed_once(tree):
-    """`tree`'s arrays, the same values (exactly), each computed once into a buffer, and
-    behind an optimisation barrier.
+def computed_once(tree, *, fence: bool = True):
+    """`tree`'s arrays, the same values (exactly), computed apart from what reads them:
+    behind an optimisation barrier, and on CPU each computed once into a buffer.
 
     XLA:CPU drops optimisation barriers before it fuses, and then copies a chain of cheap
     elementwise operations into every fusion that reads its result. A delayed scale is
     such a chain (some 20 to 40 scalar operations from the state to the scale), read by
     the casts, the GEMMs' output scaling (fused into the optimiser's update) and the next
     state: copied into each, it made up a third of a deep model's optimised program and
-    of its compile time. A reduction's result is not copied into its readers. So the
-    float32 and bool arrays (the bools as 0 and 1) of the same manual axes go into one
-    vector, which is reduced with `max` against the identity of `max`: one small
+    of its compile time. A reduction's result is not copied into its readers. So on CPU
+    the float32 and bool arrays (the bools as 0 and 1) of the same manual axes go into
+    one vector, which is reduced with `max` against the identity of `max`: one small
     reduction for the whole tree, which the chains fuse into. The identity fills seven
     rows, not one: XLA rewrites a reduction of two rows into its elementwise form, which
-    is copied again. Other arrays pass unchanged."""
+    is copied again. Other arrays pass unchanged.
+
+    The reduction is chosen per platform when the program is lowered
+    (`lax.platform_dependent`, as `amax`): XLA:GPU does not copy such chains, and keeps
+    optimisation barriers through fusion. With `fence=False` there is no barrier (the
+    caller fences what it returns): a barrier on a delayed-scaling plan before it is
+    split per operand split XLA:GPU's scalar kernels (the H100 compile of
+    bench/state_cost.py's MLP block with `calibrate_first_call=False`: 50 kernels against
+    32), where the scales a call's casts use need theirs (56 kernels against 39 without
+    it, default recipe)."""
     leaves, treedef = jax.tree.flatten(tree)
+    leaves = [_as_array(leaf) for leaf in leaves]
+    if not leaves:
+        return tree
+    fenced = lax.platform_dependent(*leaves, cpu=_reduced, default=lambda *xs: list(xs))
+    out = jax.tree.unflatten(treedef, list(fenced))
+    return lax.optimization_barrier(out) if fence else out
+
+
+def _reduced(*leaves) -> list:
+    """`computed_once`'s reduction (see there), on a flat list of arrays."""
+    leaves = list(leaves)
     groups: dict = {}
     for i, leaf in enumerate(leaves):
-        leaf = leaves[i] = _as_array(leaf)
         if leaf.dtype == np.bool_ or leaf.dtype == np.float32:
             groups.setdefault(vma(leaf), []).append(i)
     for idx in groups.values():
@@ -142,7 +161,7 @@ def computed_once(tree):
             part = lax.reshape(lax.slice_in_dim(once, start, start + size), leaf.shape)
             leaves[i] = lax.ne(part, np.float32(0)) if leaf.dtype == np.bool_ else part
             start += size
-    return lax.optimization_barrier(jax.tree.unflatten(treedef, leaves))
+    return leaves
 
 
 def broadcast(x: Array, shape: tuple[int, ...]) -> Array:

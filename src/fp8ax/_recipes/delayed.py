@@ -363,7 +363,7 @@ class DelayedScaling(AbstractScalingRecipe):
                 used = self._checked(past, scales, tuple(_formats.fp8_max(dtypes[i]) for i in idx), kept=True)
                 inv = _formats.reciprocal(used)
             flags, inv_units, scales, longest, lowest, used, inv = _formats.computed_once(
-                (flags, inv_units, scales, longest, lowest, used, inv)
+                (flags, inv_units, scales, longest, lowest, used, inv), fence=False
             )
             columns = [
                 _columns(a, len(idx))
