@@ -30,7 +30,7 @@ and reports the median time (and quartiles), TFLOP/s (2*M*N*K per GEMM) and the
 speed-up over bf16.
 
 It also checks that every GEMM an FP8 variant should run in FP8 compiled to an FP8 GEMM,
-on either path XLA:GPU's autotuner may pick: it counts, in the optimised HLO
+on either path XLA:GPU's autotuner may pick: it counts, in the optimized HLO
 (``jitted.lower(...).compile().as_text()``, read by bench/gpu_hlo.py), the FP8 cuBLASLt
 calls (``custom_call_target`` ``__cublas$lt$matmul$f8``; bf16 ones are ``__cublas$gemm``
 or ``__cublas$lt$matmul``) and the Triton or cuDNN GEMM fusions whose dot multiplies FP8
@@ -132,14 +132,14 @@ MLP_DRY = {k: v // DRY_DIVISOR for k, v in MLP_DEFAULTS.items()}
 
 
 # --------------------------------------------------------------------------------------
-# Counting GEMM kernels in optimised HLO
+# Counting GEMM kernels in optimized HLO
 
 _TARGET_RE = re.compile(r'custom_call_target="([^"]*)"')
 _DOT_RE = re.compile(r"\sdot\(")
 
 
 def count_gemm_kernels(hlo_text: str) -> dict[str, int]:
-    """Counts the GEMMs of an optimised HLO module (``Compiled.as_text()``) by kind.
+    """Counts the GEMMs of an optimized HLO module (``Compiled.as_text()``) by kind.
 
     One instruction per line. Keys:
 
@@ -178,7 +178,7 @@ def count_gemm_kernels(hlo_text: str) -> dict[str, int]:
 
 
 def count_fp8_cublaslt(hlo_text: str) -> int:
-    """Number of FP8 cuBLASLt GEMM custom calls (``__cublas$lt$matmul$f8``) in optimised HLO."""
+    """Number of FP8 cuBLASLt GEMM custom calls (``__cublas$lt$matmul$f8``) in optimized HLO."""
     return count_gemm_kernels(hlo_text)["cublaslt_f8"]
 
 
@@ -471,7 +471,7 @@ def make_mlp_step(variant: str, opt: optax.GradientTransformation):
 
 
 def opt_params(model, variant: str):
-    """What the optimiser sees: the model without its FP8 state."""
+    """What the optimizer sees: the model without its FP8 state."""
     partition, _ = _partition_fns(variant)
     _, params = partition(model)
     return eqx.filter(params, eqx.is_inexact_array)
@@ -597,7 +597,7 @@ def print_tables(payload: dict[str, Any], out=sys.stdout) -> None:
         for v, info in m["variants"].items():
             print(f"| {v} | " + " | ".join(_fmt_time(info) + _fmt_check(info)) + " |", file=out)
     print(
-        f'\nFP8 GEMMs: custom calls with custom_call_target="{FP8_GEMM_TARGET}" in the optimised HLO, '
+        f'\nFP8 GEMMs: custom calls with custom_call_target="{FP8_GEMM_TARGET}" in the optimized HLO, '
         "against the GEMMs the function should run in FP8 (1 forward, 3 forward+backward, 5 in the MLP "
         "step: 3 per layer less the first layer's input gradient, which nothing needs).\ngemm_report: fp8ax.gemm_report's lowered_fp8/lowered_total, "
         "compiled_fp8/compiled_total. TFLOP/s counts 2*M*N*K per GEMM.",
@@ -726,7 +726,7 @@ def parse_args(argv=None):
         "--hidden", type=int, default=None, help=f"MLP block: hidden size (default {MLP_DEFAULTS['hidden']})"
     )
     p.add_argument("--mlp", type=int, default=None, help=f"MLP block: MLP size (default {MLP_DEFAULTS['mlp']})")
-    p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="MLP block optimiser (default adam)")
+    p.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="MLP block optimizer (default adam)")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)

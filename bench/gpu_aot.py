@@ -3,7 +3,7 @@
 XLA compiles for a GPU on a machine that has none ("deviceless" ahead-of-time
 compilation): with the CUDA plugin installed (``pip install "jax[cuda12]"``, about 5.5 GB),
 ``jax.experimental.topologies`` describes an H100 from its specifications, and a step
-lowered on abstract arrays placed on that topology compiles to the optimised HLO a real
+lowered on abstract arrays placed on that topology compiles to the optimized HLO a real
 H100 would run, minus autotuning. Autotuning picks, per GEMM, a Triton GEMM fusion or a
 cuBLASLt call; both are compiled here, the default (Triton allowed) and
 ``--xla_gpu_enable_triton_gemm=false`` (cuBLAS), each in a subprocess because XLA reads
@@ -96,7 +96,7 @@ device_description_str: "NVIDIA H100 80GB HBM3"
 # H100's description with compute capability 10.0, 148 SMs, 126 MB L2, 8 TB/s and 180 GB,
 # and cuDNN 9.28, the version the jax[cuda12] 0.10.2 wheels install (nvidia-cudnn-cu12
 # 9.28.0.42). XLA:GPU hands JAX's block-scaled dot to cuDNN only for cuDNN 9.10 and newer
-# (with the H100 description's 9.8 it expands it into a dequantise and a plain GEMM).
+# (with the H100 description's 9.8 it expands it into a dequantize and a plain GEMM).
 B200_TARGET = (
     H100_TARGET.replace("major: 9 minor: 0", "major: 10 minor: 0")
     .replace("core_count: 132", "core_count: 148")
@@ -319,7 +319,7 @@ def main() -> int:
     p.add_argument("--variants", default=",".join(VARIANTS))
     p.add_argument("--paths", default=",".join(PATHS))
     p.add_argument("--quick", action="store_true", help="every size / 16 (a smoke test)")
-    p.add_argument("--dump", default=None, help="write each optimised HLO here")
+    p.add_argument("--dump", default=None, help="write each optimized HLO here")
     p.add_argument("--repeat", type=int, default=3, help="compile each step this many times, report the fastest")
     p.add_argument("--out", default=None)
     p.add_argument("--worker-out", default=None, help=argparse.SUPPRESS)

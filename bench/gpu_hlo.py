@@ -1,4 +1,4 @@
-"""Reading XLA:GPU's optimised HLO (``compiled.as_text()``): the kernels a step launches.
+"""Reading XLA:GPU's optimized HLO (``compiled.as_text()``): the kernels a step launches.
 
 Used by bench/gpu_aot.py (deviceless compiles for an H100), bench/gpu.py (its FP8 check)
 and tests/test_gpu_program.py. Only the text format is read, so it works on HLO compiled
@@ -23,8 +23,8 @@ launches, in the order XLA scheduled them):
   large tensor (one at least as large as the FP8 result): the tensor is read twice, one
   pass after the other, and the cast cannot start before the reduction has finished.
   The dependence must run through a scalar that the reduction produces (an amax, or any
-  other per-tensor statistic): the per-row statistics of a normalisation, which the
-  normalised tensor needs, do not count, and neither does a full-size tensor that the
+  other per-tensor statistic): the per-row statistics of a normalization, which the
+  normalized tensor needs, do not count, and neither does a full-size tensor that the
   reduction's kernel also writes (XLA puts an activation's residual and the amax of the
   activation in one multi-output fusion): the cast waits for that tensor as it would
   for any producer.

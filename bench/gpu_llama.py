@@ -14,12 +14,12 @@ Variants (the step as README.md writes it, ``eqx.filter_jit``):
 - ``bf16``: the plain model, XLA's default options;
 - ``bf16_notriton``: the same step compiled with ``fp8ax.compiler_options()``;
 - ``fp8ax``: ``fp8ax.fp8_linear_layers`` (the default recipe, delayed scaling), the
-  documented optimiser ``fp8ax.skip_fp8_state(optax.adam(...))``, compiled with
+  documented optimizer ``fp8ax.skip_fp8_state(optax.adam(...))``, compiled with
   ``fp8ax.compiler_options()``;
 - ``fp8ax_current``: the same with ``Fp8Config(recipe=fp8ax.CurrentScaling())``;
 - ``fp8ax_nocal``: the same with ``DelayedScaling(calibrate_first_call=False)`` (what
   the first call's calibration costs a settled step);
-- ``haliax_fp8``: ``haliax.quantization`` (its optimiser built on the model without its
+- ``haliax_fp8``: ``haliax.quantization`` (its optimizer built on the model without its
   FP8 state), compiled with ``fp8ax.compiler_options()`` too.
 
 Each ``stack:<variant>:<layout>`` part measures the first call (trace, XLA compile with

@@ -101,7 +101,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dry", action="store_true")
-    p.add_argument("--hlo-dir", default=None, help="also write each variant's optimised HLO there")
+    p.add_argument("--hlo-dir", default=None, help="also write each variant's optimized HLO there")
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     dry = args.dry or jax.default_backend() != "gpu"

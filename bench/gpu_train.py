@@ -35,7 +35,7 @@ measured into one JSON file and Markdown tables:
   FLOPs: a dense GEMM over every (token, expert) pair does 8x).
 
 Every part appends JSON lines to a file as it goes, so one cut short by its time limit
-still reports what it measured (``"timed_out": true``). The parent never initialises a
+still reports what it measured (``"timed_out": true``). The parent never initializes a
 JAX backend (the GPU stays free for the parts), skips the parts that cannot start with
 their minimum time left in ``--budget-s`` (``"skipped": "budget"``), and exits 0 even when
 a part fails (1 only with ``--strict`` when an FP8 check fails on a GPU).
@@ -81,7 +81,7 @@ T_IMPORT = time.perf_counter()  # before the JAX imports: a part's import time s
 import equinox as eqx  # noqa: E402
 import haliax as hax  # noqa: E402
 import haliax.nn as hnn  # noqa: E402
-import jax  # noqa: E402  (imported, never initialised in the parent: no backend, no GPU memory)
+import jax  # noqa: E402  (imported, never initialized in the parent: no backend, no GPU memory)
 import jax.numpy as jnp  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -95,7 +95,7 @@ RESULTS = HERE / "results"
 DECODER_VARIANTS = ("bf16", "haliax_fp8", "fp8ax", "fp8ax_skip", "fp8ax_current", "fp8ax_mx", "fp8ax_nofirst")
 FP8AX_RECIPES = {  # variant -> how its Fp8Config is built (for the JSON)
     "fp8ax": "fp8ax.Fp8Config()",
-    "fp8ax_skip": "fp8ax.Fp8Config(), optimiser fp8ax.skip_fp8_state(optax.adam(1e-4))",
+    "fp8ax_skip": "fp8ax.Fp8Config(), optimizer fp8ax.skip_fp8_state(optax.adam(1e-4))",
     "fp8ax_current": "fp8ax.Fp8Config(recipe=fp8ax.CurrentScaling())",
     "fp8ax_mx": "fp8ax.Fp8Config(recipe=fp8ax.MXScaling())",
     "fp8ax_nofirst": "fp8ax.Fp8Config(recipe=fp8ax.DelayedScaling(calibrate_first_call=False))",
@@ -416,7 +416,7 @@ def fp8_check(text: str, expected: int, variant: str, backend: str, flops: float
         out["status"] = f"n/a on {backend}"
     elif variant == "fp8ax_mx":
         # MXFP8 runs as a block-scaled GEMM (jax.nn.scaled_matmul) on compute capability
-        # >= 10.0 only; elsewhere fp8ax dequantises the blocks and multiplies in bf16.
+        # >= 10.0 only; elsewhere fp8ax dequantizes the blocks and multiplies in bf16.
         out["status"] = "info (MX: block-scaled GEMMs need compute capability >= 10.0)"
     else:
         by_flops = flops is not None and flops > 0 and abs(s["fp8_gemm_flops"] / flops - 1) < 1e-6
@@ -466,8 +466,8 @@ def build_decoder(variant: str, s: dict[str, int], seed: int):
 
         opt_state = opt_init(eqx.filter(model, eqx.is_array))
     elif variant == "haliax_fp8":
-        # Cast before quantising, so that Haliax's FP8 state stays float32. Haliax's
-        # partition puts None where the FP8 state is, so its optimiser state is built from
+        # Cast before quantizing, so that Haliax's FP8 state stays float32. Haliax's
+        # partition puts None where the FP8 state is, so its optimizer state is built from
         # the model without the state.
         model = haxq.quantize_linear_layers(model, haxq.QuantizationConfig(fp8=True))
 
@@ -492,7 +492,7 @@ def build_decoder(variant: str, s: dict[str, int], seed: int):
             "fp8ax_nofirst": lambda: fp8ax.Fp8Config(recipe=fp8ax.DelayedScaling(calibrate_first_call=False)),
         }[variant]()
         model = fp8ax.fp8_linear_layers(model, config)
-        if variant == "fp8ax_skip":  # no optimiser moments for the FP8 state
+        if variant == "fp8ax_skip":  # no optimizer moments for the FP8 state
             opt = fp8ax.skip_fp8_state(opt)
             opt_init = eqx.filter_jit(opt.init)
 
@@ -812,7 +812,7 @@ def child_main(args) -> int:
             jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
         events = Events()
         t0 = time.perf_counter()
-        machine = child_machine()  # initialises the backend
+        machine = child_machine()  # initializes the backend
         backend = machine["backend"]
         args.dry = args.dry or backend != "gpu"
         if args.dry:

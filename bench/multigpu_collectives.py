@@ -9,7 +9,7 @@ that mesh and compiled by XLA:GPU ahead of time. The model is bench/sharding_col
 (3 blocks of Embed 1024 -> Mlp 4096 -> Embed 1024, bf16, batch 256), unstacked so that
 every collective is in the entry computation and runs once per step; FSDP over all 8
 devices (weights stored sharded along Embed, the batch split 8 ways). The bytes are
-those of each collective's result per device, read from the optimised HLO
+those of each collective's result per device, read from the optimized HLO
 (`Compiled.as_text()`). Writes bench/results/multigpu_collectives_h100x8.json.
 """
 

@@ -1,4 +1,4 @@
-"""What the optimiser state for the FP8 state costs: memory, CPU step time, H100 program.
+"""What the optimizer state for the FP8 state costs: memory, CPU step time, H100 program.
 
     python bench/optimizer_state.py            # bytes, CPU step times; bench/results/optimizer_state_cpu.json
     python bench/optimizer_state.py --quick    # smoke test (small sizes, 2 + 3 steps; not written unless --out)
@@ -7,26 +7,26 @@
 
 `fp8ax.partition_for_grad_overwrite(grads)` returns `(overwrite, rest)`, and `rest` holds,
 in place of each FP8 module, the module filled with float32 zeros (it used to hold
-`None`). The optimiser state can then be built from the whole model, but it carries
+`None`). The optimizer state can then be built from the whole model, but it carries
 moments for the FP8 state (per layer three scales and three amax histories of 1024
 float32) and computes updates for it, which
 `fp8ax.apply_updates` ignores. Two variants of the same `eqx.filter_jit` train step
 (MSE loss, `optax.adamw(1e-3, weight_decay=0.1)` with `params=model`,
 `fp8ax.apply_updates`):
 
-- `zeros` (fp8ax now): `fp8ax.partition_for_grad_overwrite(grads)`, the optimiser state
+- `zeros` (fp8ax now): `fp8ax.partition_for_grad_overwrite(grads)`, the optimizer state
   from `eqx.filter(model, eqx.is_array)`;
-- `none` (the optimiser without the FP8 state, as before): `eqx.partition(grads, is_fp8,
-  is_leaf=is_fp8)`, the optimiser state from the model without its FP8 modules.
+- `none` (the optimizer without the FP8 state, as before): `eqx.partition(grads, is_fp8,
+  is_leaf=is_fp8)`, the optimizer state from the model without its FP8 modules.
 
 The model: `haliax.nn.Stacked` residual MLP blocks (Embed -> Mlp -> Embed, two bias-free
 `haliax.nn.Linear`, GELU) and a linear head, converted by `fp8ax.fp8_linear_layers`
 (DelayedScaling) and calibrated by `fp8ax.calibrate` on one batch.
 
-Reported: the optimiser state bytes of each variant and their difference (per FP8 layer
+Reported: the optimizer state bytes of each variant and their difference (per FP8 layer
 too). CPU: the median step time over interleaved rounds (one step of each variant per
 round, the order alternating, `jax.block_until_ready`) after warm-up, the same for the
-optimiser's part of the step alone (partition, `opt.update`, apply, on fixed gradients),
+optimizer's part of the step alone (partition, `opt.update`, apply, on fixed gradients),
 the compiles of each step during warm-up, and a check that both variants leave
 bit-identical parameters and FP8 state. `--gpu-aot` (needs the CUDA
 plugin, no GPU): the step at LLM sizes, bf16 parameters (`fp8ax.cast_floating`), lowered
@@ -116,7 +116,7 @@ def is_fp8(x):
 
 
 def opt_params(variant, model):
-    """What the optimiser state is built from."""
+    """What the optimizer state is built from."""
     import equinox as eqx
 
     if variant == "none":
@@ -125,7 +125,7 @@ def opt_params(variant, model):
 
 
 def make_update(variant, opt):
-    """The optimiser's part of the step: partition the gradients, `opt.update`, apply."""
+    """The optimizer's part of the step: partition the gradients, `opt.update`, apply."""
     import equinox as eqx
 
     import fp8ax
@@ -159,7 +159,7 @@ def nbytes(tree) -> int:
 
 
 def memory(model, opt_states) -> dict:
-    """Bytes of the parameters, the FP8 state and each optimiser state."""
+    """Bytes of the parameters, the FP8 state and each optimizer state."""
     import equinox as eqx
     import jax
 
@@ -220,7 +220,7 @@ def cpu(sizes, rounds, warmup) -> dict:
     assert len(a) == len(b) and all(np.array_equal(p, q) for p, q in zip(a, b)), "the variants' models differ"
     out["bit_identical_after_steps"] = warmup + rounds
     out["step"] = summarise(times)
-    # The optimiser's part alone (the same gradients every call), where the extra work is
+    # The optimizer's part alone (the same gradients every call), where the extra work is
     # a larger share of the time; a call is short, so 5x the rounds.
     grads = eqx.filter_jit(eqx.filter_grad(loss))(model, x, y)
     updates = {v: eqx.filter_jit(make_update(v, opt)) for v in VARIANTS}
@@ -284,7 +284,7 @@ def gpu_aot(sizes, repeat) -> dict:
     opt = optax.adamw(1e-3, weight_decay=0.1)
 
     def abstract():
-        # The optimiser state of the steady step (after one step; the same as at `opt.init`).
+        # The optimizer state of the steady step (after one step; the same as at `opt.init`).
         model, x, y = build(sizes, jnp.bfloat16)
         states = {v: make_step(v, opt)(model, opt.init(opt_params(v, model)), x, y)[1] for v in VARIANTS}
         return model, x, y, states

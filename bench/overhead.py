@@ -12,7 +12,7 @@ Measures, for a model `Embed -> Mlp -> Embed` built from two `haliax.nn.Linear` 
   Python function calls that one ``.lower(...)`` makes (``cProfile``; the same in every run);
 - the StableHLO op count of each step (``.lower(...).as_text()``) and what each
   converted layer adds to it relative to the plain step (see `count_ops` for exactly
-  what is counted), plus the instruction count of the optimised HLO;
+  what is counted), plus the instruction count of the optimized HLO;
 
 for float32 and for bfloat16 parameters and inputs. Prints a table and writes JSON.
 
@@ -123,7 +123,7 @@ def make_step(variant: str, opt: optax.GradientTransformation) -> Callable:
 
 
 def opt_params(model, variant: str):
-    """What the optimiser state is built from: the arrays of `model` as the partition
+    """What the optimizer state is built from: the arrays of `model` as the partition
     leaves them (fp8ax: the FP8 state as zeros; Haliax: removed)."""
     partition = haxq.partition_for_grad_overwrite if variant == "haliax" else fp8ax.partition_for_grad_overwrite
     _, params = partition(model)
@@ -141,7 +141,7 @@ def build_model(variant: str, base: Mlp, dtype, batch=None) -> Mlp:
         return fp8ax.calibrate(build_model("fp8ax", base, dtype), loss_fn, [batch])
     if variant == "haliax":
         # Cast first: Haliax's Fp8DotGeneralOp state must stay float32, and a blanket
-        # cast of the quantised model would cast it too.
+        # cast of the quantized model would cast it too.
         cast = fp8ax.cast_floating(base, dtype)
         return haxq.quantize_linear_layers(cast, haxq.QuantizationConfig(fp8=True))
     raise ValueError(variant)
@@ -271,7 +271,7 @@ def hlo_opcode(line: str) -> str:
 
 
 def count_hlo(compiled_text: str) -> dict[str, int]:
-    """Instructions of the optimised (post-fusion) HLO module.
+    """Instructions of the optimized (post-fusion) HLO module.
 
     `total`: in all computations (fusion bodies included); `entry`: in the ENTRY
     computation only (the kernels/thunks that run, plus parameters and tuples);
@@ -543,7 +543,7 @@ def print_table(results: dict, out=sys.stdout):
     print(
         "\ncompile s: trace+lower+XLA compile of the step (median).\n"
         "SHLO ops: `stablehlo.*` op lines in Lowered.as_text() (private funcs counted once); inlined: the same "
-        "with every `call` expanded;\nHLO entry: instructions in the ENTRY computation of the optimised HLO "
+        "with every `call` expanded;\nHLO entry: instructions in the ENTRY computation of the optimized HLO "
         "(~ kernels that run); kernels: the same less parameter/constant/tuple/get-tuple-element/bitcast.\n"
         "+/layer: (variant - plain) / number of FP8 layers.\n",
         file=out,
@@ -609,7 +609,7 @@ def parse_args(argv=None):
         help=f"JSON output path (default {DEFAULT_OUT.relative_to(HERE.parent)}; "
         f"with --quick {QUICK_OUT.relative_to(HERE.parent)}); '' for none",
     )
-    p.add_argument("--dump-dir", default=None, help="also write each step's StableHLO and optimised HLO here")
+    p.add_argument("--dump-dir", default=None, help="also write each step's StableHLO and optimized HLO here")
     args = p.parse_args(argv)
 
     defaults = dict(rounds=50, batch=256, embed=1024, hidden=4096, warmup=3, compile_reps=5)
@@ -684,7 +684,7 @@ def main(argv=None) -> dict[str, Any]:
             "(with or without a result, stablehlo.return included; a private func such as @_where or @clip "
             "counted once however often it is called); stablehlo_ops_inlined: the same with every `call` "
             "replaced by the callee's ops; hlo_instructions_total/entry: instructions of Compiled.as_text() "
-            "(optimised, post-fusion HLO) in all computations / in the ENTRY computation; "
+            "(optimized, post-fusion HLO) in all computations / in the ENTRY computation; "
             "*_added_per_layer = (variant - plain) / fp8_layers",
         },
         "total_wall_s": total,

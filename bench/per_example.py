@@ -158,7 +158,7 @@ def run_model(name, model, x, y, rounds, compile_reps):
     opt = optax.adam(1e-3)
     loss_fn, step = make_step(opt)
     models = variants(model, loss_fn, x, y)
-    # The optimiser state holds arrays only (not eqx.nn.Lambda's functions).
+    # The optimizer state holds arrays only (not eqx.nn.Lambda's functions).
     states = {
         k: opt.init(eqx.filter(fp8ax.partition_for_grad_overwrite(m)[1], eqx.is_inexact_array))
         for k, m in models.items()

@@ -5,7 +5,7 @@ Each model is trained with the step its library documents, `optax.adam`, under o
 
 - ``plain``: no FP8; ``opt.init(eqx.filter(model, eqx.is_array))``, ``eqx.apply_updates``.
 - ``haliax``: ``haliax.quantization.quantize_linear_layers(model, QuantizationConfig(fp8=True))``,
-  Haliax's set-up (the optimiser built from ``partition_for_grad_overwrite(model)[1]``,
+  Haliax's set-up (the optimizer built from ``partition_for_grad_overwrite(model)[1]``,
   Haliax's ``apply_updates``).
 - ``fp8ax``: ``fp8ax.fp8_linear_layers(model)`` (``DelayedScaling()``, the default),
   ``opt = fp8ax.skip_fp8_state(optax.adam(...))`` built from the whole model (the
@@ -29,11 +29,11 @@ counts mean anything):
   first step's time grows with depth.
 
 Per model and variant: the leaves of ``(model, opt_state)``; XLA's kernels per step (the
-instructions of the optimised HLO that launch work, inside a ``while`` body times its trip
+instructions of the optimized HLO that launch work, inside a ``while`` body times its trip
 count; see `kernels`) and what the variant adds over ``plain`` per converted layer; the first
 step's time (trace + lower + compile after ``jax.clear_caches()``, the best of
 ``--compile-reps``); the step time (median over interleaved rounds) and the host time a
-call of the jitted step takes: flattening the model and optimiser state in and out, the
+call of the jitted step takes: flattening the model and optimizer state in and out, the
 cache lookup and the dispatch (`host_us`; it matters most on ``stack16``, whose compute
 is negligible). ``--target h100`` compiles the same steps for an H100 without one (the
 CUDA plugin is needed: ``pip install "jax[cuda12]"``) and reports kernels only.
@@ -224,7 +224,7 @@ def variant(model, name: str):
 
 
 def kernels(hlo: str) -> int:
-    """Kernels one run of an optimised HLO module launches: the entry computation's
+    """Kernels one run of an optimized HLO module launches: the entry computation's
     instructions less those that launch nothing (`NOT_KERNELS`); a `while` counts its
     body's kernels times its known trip count (once if unknown), a `conditional` its
     largest branch."""
@@ -262,7 +262,7 @@ def kernels(hlo: str) -> int:
 def host_us(model, opt_state, x, y, rounds: int) -> float:
     """The host's share of a call of a jitted step on these arguments, in seconds: the
     median time of an `eqx.filter_jit` function of the same arguments that returns `y`
-    (the same flattening of the model and optimiser state, the same cache lookup, and a
+    (the same flattening of the model and optimizer state, the same cache lookup, and a
     program that computes nothing)."""
     same = eqx.filter_jit(lambda model, opt_state, x, y: y)
     jax.block_until_ready(same(model, opt_state, x, y))
@@ -276,7 +276,7 @@ def host_us(model, opt_state, x, y, rounds: int) -> float:
 
 def first_step_s(step, args, reps: int, compile_for=None) -> tuple[float, str]:
     """The best of `reps` trace + lower + compile times, each after `jax.clear_caches()`,
-    and the optimised HLO."""
+    and the optimized HLO."""
     best, text = float("inf"), ""
     for _ in range(reps):
         jax.clear_caches()

@@ -5,7 +5,7 @@
 
 The task is regression onto a fixed random "teacher" MLP (In 64 -> Mid 256 -> Out 32),
 with a fresh batch of Gaussian inputs at every step. Both runs start from the same
-weights, see the same batches and use the same optimiser (Adam). They differ only in how
+weights, see the same batches and use the same optimizer (Adam). They differ only in how
 the two matmuls of each linear layer are done:
 
 - bf16: parameters, activations and matmuls in bfloat16 (via `fp8ax.cast_floating`).
@@ -109,7 +109,7 @@ def main(steps: int = 400, every: int | None = None, batch: int = 256, lr: float
         "fp8": fp8ax.cast_floating(fp8ax.fp8_linear_layers(model), jnp.bfloat16),
     }
 
-    opt = fp8ax.skip_fp8_state(optax.adam(lr))  # the optimiser never sees the FP8 state
+    opt = fp8ax.skip_fp8_state(optax.adam(lr))  # the optimizer never sees the FP8 state
     step = make_step(opt)
     get_batch = eqx.filter_jit(make_batch)
     opt_states = {}
@@ -156,7 +156,7 @@ def main(steps: int = 400, every: int | None = None, batch: int = 256, lr: float
     row(f"mean last {tail}", mean["bf16"], mean["fp8"])
     row("held-out", held_out["bf16"], held_out["fp8"])
 
-    print("\nFP8 scaling state after training (dequantisation scales: quantise as x / scale)")
+    print("\nFP8 scaling state after training (dequantization scales: quantize as x / scale)")
     print(
         f"  {'layer':<10} {'tensor':<5} {'format':<7} {'scale':>10} {'amax':>10} "
         f"{'max(history)':>13} {'next scale':>11}  observed"

@@ -29,7 +29,7 @@ def loss_fn(model, batch):
 # --8<-- [end:loss]
 
 
-opt = fp8ax.skip_fp8_state(optax.adam(3e-3))  # the optimiser never sees the FP8 state
+opt = fp8ax.skip_fp8_state(optax.adam(3e-3))  # the optimizer never sees the FP8 state
 
 
 @eqx.filter_jit
@@ -50,7 +50,7 @@ def main(steps: int = 100):
     model = eqx.nn.MLP(in_size=32, out_size=8, width_size=128, depth=2, key=k_model)
     model = fp8ax.fp8_linear_layers(model)  # layers.0, layers.1, layers.2 -> fp8ax.Fp8Linear
 
-    # eqx.nn.MLP also holds its activation functions: give the optimiser only the arrays.
+    # eqx.nn.MLP also holds its activation functions: give the optimizer only the arrays.
     opt_state = opt.init(eqx.filter(model, eqx.is_array))
     # --8<-- [end:convert]
     print("layers:", [type(layer).__name__ for layer in model.layers])

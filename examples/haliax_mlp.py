@@ -45,7 +45,7 @@ def loss_fn(model, batch):
 # --8<-- [end:model]
 
 
-opt = fp8ax.skip_fp8_state(optax.adam(1e-2))  # the optimiser never sees the FP8 state
+opt = fp8ax.skip_fp8_state(optax.adam(1e-2))  # the optimizer never sees the FP8 state
 
 
 # --8<-- [start:step]

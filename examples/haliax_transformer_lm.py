@@ -11,7 +11,7 @@ character of `examples/data/tinyshakespeare.txt` (public domain, see examples/da
 the last 10% of the text is held out.
 
 Both runs start from the same weights, see the same batches in the same order and use the
-same optimiser (Adam). They differ only in the matmuls of the linear layers inside the blocks:
+same optimizer (Adam). They differ only in the matmuls of the linear layers inside the blocks:
 
 - bf16: the whole model in bfloat16 (`fp8ax.cast_floating`).
 - FP8: the same bf16 model after `fp8ax.fp8_linear_layers` with
@@ -232,7 +232,7 @@ def main(
         "fp8": fp8ax.cast_floating(fp8ax.fp8_linear_layers(model, config), jnp.bfloat16),
     }
 
-    opt = fp8ax.skip_fp8_state(optax.adam(lr))  # the optimiser never sees the FP8 state
+    opt = fp8ax.skip_fp8_state(optax.adam(lr))  # the optimizer never sees the FP8 state
     step = make_step(opt)
     opt_states = {}
     for name, m in models.items():

@@ -88,7 +88,7 @@ import fp8ax  # noqa: E402
 
 VOCAB = 128
 SEQ_LEN = 32
-BATCH = 8  # examples per optimiser step
+BATCH = 8  # examples per optimizer step
 EVAL_EXAMPLES = 16
 PROMPT_LEN = 8
 NEW_TOKENS = 6

@@ -9,7 +9,7 @@ mixture of experts: a router (`haliax.nn.Linear`, Embed -> Experts) picks the to
 of `--experts` experts for every token, the token's copies are sorted by expert, and two
 `haliax.nn.MoELinear` layers (Embed -> Mlp -> Embed, one weight per expert) run on the
 sorted copies as grouped GEMMs (`jax.lax.ragged_dot`); their outputs, weighted by the
-router's renormalised probabilities, are added back to their tokens.
+router's renormalized probabilities, are added back to their tokens.
 
 `fp8ax.fp8_linear_layers` turns each `MoELinear` into an `fp8ax.Fp8MoELinear`, whose three
 grouped GEMMs (forward, input gradient, weight gradient) run on FP8 operands with one
@@ -139,7 +139,7 @@ def main(steps=300, batch=32, seq=64, embed=64, heads=4, layers=2, experts=4, to
         "bf16": fp8ax.cast_floating(model, jnp.bfloat16),
         "fp8": fp8ax.cast_floating(fp8ax.fp8_linear_layers(model, config), jnp.bfloat16),
     }
-    opt = fp8ax.skip_fp8_state(optax.adam(lr))  # the optimiser never sees the FP8 state
+    opt = fp8ax.skip_fp8_state(optax.adam(lr))  # the optimizer never sees the FP8 state
     step = make_step(opt)
     opt_states = {name: opt.init(eqx.filter(m, eqx.is_array)) for name, m in models.items()}
 

@@ -54,7 +54,7 @@ def loss_fn(model, batch):
     return hax.mean((model(x) - y) ** 2).scalar()
 
 
-opt = fp8ax.skip_fp8_state(optax.adam(3e-3))  # the optimiser never sees the FP8 state
+opt = fp8ax.skip_fp8_state(optax.adam(3e-3))  # the optimizer never sees the FP8 state
 
 
 @eqx.filter_jit

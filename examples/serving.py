@@ -1,5 +1,5 @@
 """Serve what you trained: the character-level LM of `haliax_transformer_lm.py`, trained in
-bf16 and in FP8, converted for serving with `fp8ax.to_serving`, and quantised after
+bf16 and in FP8, converted for serving with `fp8ax.to_serving`, and quantized after
 training (PTQ) from the bf16 model.
 
     python examples/serving.py               # 300 steps, as haliax_transformer_lm.py (a few minutes on a 2-core CPU)
@@ -9,7 +9,7 @@ It prints:
 
 - the held-out loss of the bf16 model, of the FP8-trained model, of its serving form
   (the same number: the serving forward is the training forward, bit for bit), and of the
-  bf16 model quantised after training (`fp8_linear_layers`, `calibrate` on 4 training
+  bf16 model quantized after training (`fp8_linear_layers`, `calibrate` on 4 training
   batches, `to_serving`);
 - the checkpoint sizes (`eqx.tree_serialise_leaves`) of the bf16 model, the FP8 training
   model and the serving model, and that the serving checkpoint loads back into
@@ -82,7 +82,7 @@ def main(steps=300, batch=32, seq=64, embed=64, heads=4, layers=2, lr=3e-3, seed
     }
 
     # Train both, as haliax_transformer_lm.py does (same batches, Adam).
-    opt = fp8ax.skip_fp8_state(optax.adam(lr))  # the optimiser never sees the FP8 state
+    opt = fp8ax.skip_fp8_state(optax.adam(lr))  # the optimizer never sees the FP8 state
     step = make_step(opt)
     opt_states = {name: opt.init(eqx.filter(m, eqx.is_array)) for name, m in models.items()}
     get_batch = jax.jit(windows, static_argnums=(2, 3))

@@ -139,7 +139,7 @@ def batches(key, steps):
         yield hax.named((start + step * jnp.arange(Pos.size)) % Vocab.size, (Batch, Pos))
 
 
-opt = fp8ax.skip_fp8_state(optax.adam(3e-3))  # the optimiser never sees the FP8 state
+opt = fp8ax.skip_fp8_state(optax.adam(3e-3))  # the optimizer never sees the FP8 state
 
 
 def train_step(model, opt_state, tokens):

@@ -188,7 +188,7 @@ _BYTES = {"f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "f32": 4}
 
 
 def case_fp8_all_gather():
-    # FSDP with bf16 weights, in "qdq" mode (which would gather the dequantised bf16
+    # FSDP with bf16 weights, in "qdq" mode (which would gather the dequantized bf16
     # weight) and "direct" mode, with and without `fp8_all_gather`. The partitioned HLO
     # (before XLA:CPU widens FP8 collectives to f16, its runtime having none) shows the
     # dtype each weight all-gather moves.
@@ -278,7 +278,7 @@ def _shard_map_case(check_vma, trained):
         model, x, y, got = _shard_map_grads(check_vma, lambda g: fp8ax.pmean_gradients(g, "data"), trained)
         # Independent expectation: one device with the whole batch. Gradients: those of
         # the whole-batch mean loss (= the 8x loss's / 8, exactly: a power of two).
-        # State: what the backward GEMMs quantised, the gradients of a per-device mean
+        # State: what the backward GEMMs quantized, the gradients of a per-device mean
         # loss, i.e. the 8x loss's.
         ref = eqx.filter(eqx.filter_grad(_eqx_loss_x8)(model, x, y), eqx.is_array)
         g_state, g_rest = fp8ax.partition_for_grad_overwrite(eqx.filter(got, eqx.is_array))

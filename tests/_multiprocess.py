@@ -9,7 +9,7 @@ Run by tests/test_multiprocess.py, one process per JAX process:
 on 127.0.0.1, 4 CPU devices each, gloo collectives). For each model (a Haliax stack of
 MLPs and an Equinox MLP) it trains `STEPS` Adam steps on a 4 x 2 ("data", "model") mesh
 laid out for data parallelism, FSDP and tensor parallelism, saves the model, its FP8
-state and the optimiser state with Orbax after `SAVE_AT` steps, and writes what it holds
+state and the optimizer state with Orbax after `SAVE_AT` steps, and writes what it holds
 at the end to DIR/process<I>.npz (every array gathered whole, on every process).
 
 `single` does the same training in one process with all 8 devices (DIR/single.npz), then
@@ -268,7 +268,7 @@ def case_of(name, shape):
 
 
 def train(case, steps, model, opt_state, save_dir=None, seed0=0):
-    """`steps` steps; also returns the model and optimiser state after `SAVE_AT` steps
+    """`steps` steps; also returns the model and optimizer state after `SAVE_AT` steps
     (saved with Orbax to `save_dir` if given)."""
     losses, at_save = [], None
     for i in range(steps):

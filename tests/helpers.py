@@ -11,7 +11,7 @@ import fp8ax
 
 
 def sqnr(ref, x) -> float:
-    """Signal-to-quantisation-noise ratio in dB, computed in float64 (torchao's `compute_error`)."""
+    """Signal-to-quantization-noise ratio in dB, computed in float64 (torchao's `compute_error`)."""
     ref = np.asarray(ref, np.float64)
     x = np.asarray(x, np.float64)
     return float(20 * np.log10(np.linalg.norm(ref) / np.linalg.norm(ref - x)))
@@ -96,7 +96,7 @@ def sgd_step(loss, lr=1e-2):
 
 def adam_trained(model, loss, steps, lr=1e-2):
     """`model` after `steps` Adam steps on `loss(model)`, the documented fp8ax step: the
-    optimiser gets the gradients, `fp8ax.apply_updates` writes the FP8 state. The
+    optimizer gets the gradients, `fp8ax.apply_updates` writes the FP8 state. The
     gradient is jitted (eagerly, an MX or blockwise step dispatches thousands of ops)."""
     import optax
 

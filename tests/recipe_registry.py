@@ -1,14 +1,14 @@
 """The one list of recipes that every recipe-generic test runs over.
 
 A new recipe is tested by adding an entry here: `tests/test_recipe_conformance.py`
-checks its quantisation and its three GEMMs against the entry's independent NumPy
-reference, its behaviour under jit/scan/vmap, in a stacked Haliax model, through a
+checks its quantization and its three GEMMs against the entry's independent NumPy
+reference, its behavior under jit/scan/vmap, in a stacked Haliax model, through a
 checkpoint and per example; `tests/test_serving.py` serves it bit for bit;
 `tests/test_training.py` trains it against bf16; `tests/test_sharding.py` trains it on 8
 CPU devices against one.
 
 A reference takes `(x, contracting_axes, role)` (`x` a float32 NumPy array, role
-`"lhs"`, `"rhs"` or `"grad"`) and returns `x` quantised and dequantised, in float64,
+`"lhs"`, `"rhs"` or `"grad"`) and returns `x` quantized and dequantized, in float64,
 computed without fp8ax: ml_dtypes rounds, NumPy does the arithmetic.
 """
 
@@ -34,7 +34,7 @@ def _pow2_up(s):
 
 def _fp8_cast(x, scale, mldtype):
     """x * (1 / scale) in float32, clipped to the format's range, rounded by ml_dtypes;
-    dequantised in float64."""
+    dequantized in float64."""
     bound = float(ml_dtypes.finfo(mldtype).max)
     inv = (np.float32(1) / scale.astype(np.float32)).astype(np.float32)
     with np.errstate(invalid="ignore", over="ignore"):

@@ -2,7 +2,7 @@
 one: the proof that a recipe owns its state type (issue 23).
 
 `RunningMaxScaling` keeps one array per operand, the largest amax any call has seen (the
-"max" calibrator of post-training quantisation, kept during training): a call quantises
+"max" calibrator of post-training quantization, kept during training): a call quantizes
 with `amax / fp8_max` from that running max (its own amax while nothing is recorded),
 and records `max(running, own amax)`. Calibration, checkpoints, serving, `scaling_stats`,
 `plot_amax_history`, `apply_updates` and the GEMM pipeline all work with it through the
@@ -39,7 +39,7 @@ def _amax(x):
 
 
 def _scale(amax, fp8_max):
-    """Dequantisation scale for `amax` (1 where it is zero or not finite)."""
+    """Dequantization scale for `amax` (1 where it is zero or not finite)."""
     ok = jnp.isfinite(amax) & (amax > 0)
     return jnp.where(ok, jnp.maximum(amax * np.float32(1 / fp8_max), _TINY), jnp.float32(1))
 

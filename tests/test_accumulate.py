@@ -101,7 +101,7 @@ def test_average_for_mean_losses_does_not_divide_the_state(setup):
     for (path, a), (_, b) in zip(_leaves(got_rest), _leaves(fp8ax.partition_for_grad_overwrite(full)[1])):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=path)
     # State: the output gradients of a microbatch's *mean* loss really are K times those
-    # of the full batch's, and the state records what was quantised. So it equals the
+    # of the full batch's, and the state records what was quantized. So it equals the
     # full batch with its loss multiplied by K (a power of two: exact), not divided back.
     want, _ = fp8ax.partition_for_grad_overwrite(eqx.filter_grad(lambda *a: K * _mean_loss(*a))(model, x, y))
     for (path, a), (_, b) in zip(_leaves(fp8ax.partition_for_grad_overwrite(got)[0]), _leaves(want), strict=True):
@@ -113,7 +113,7 @@ def test_first_step_state(getkey):
     # With an empty history each microbatch calibrates on its own amax. The weights' and
     # the model input's states only depend on those tensors: the max over microbatches
     # is the full batch's, bit for bit. The other tensors passed through layers that
-    # used per-microbatch scales, so they differ by quantisation noise (E4M3 steps are
+    # used per-microbatch scales, so they differ by quantization noise (E4M3 steps are
     # 6-12% apart; tolerance 15%).
     model = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
     x = hax.random.normal(getkey(), (Batch, In)) * hax.named(jnp.linspace(0.1, 5.0, N), Batch)

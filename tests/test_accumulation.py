@@ -167,8 +167,8 @@ def test_all_three_gemms_are_emulated(recipe, getkey):
 
 
 def test_tensor_scaled_layer_matches_model(getkey):
-    """Forward of a current-scaled layer: the NumPy model on the quantised values
-    (reference quantisation of test_blockwise, one tile for the whole tensor), times the
+    """Forward of a current-scaled layer: the NumPy model on the quantized values
+    (reference quantization of test_blockwise, one tile for the whole tensor), times the
     two scales in float32."""
     x = jax.random.normal(getkey(), (24, 320)) + 0.3
     w = jax.random.normal(getkey(), (320, 40)) * 0.05 + 0.01

@@ -167,7 +167,7 @@ def test_the_default_parts():
 @pytest.mark.needs_hax_dot
 def test_profile_dry_pass(tmp_path):
     # bench/gpu_profile.py on tiny sizes: every variant traced and its kernels (on a CPU,
-    # the trace's busiest plane) read back; and each variant's optimised HLO written.
+    # the trace's busiest plane) read back; and each variant's optimized HLO written.
     out = tmp_path / "profile.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "bench" / "gpu_profile.py"), "--dry", "--variants", "bf16,fp8ax"]

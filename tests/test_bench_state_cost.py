@@ -39,7 +39,7 @@ def dry_run(tmp_path_factory):
 def test_dry_pass_and_the_bars(dry_run):
     proc, payload = dry_run
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    # The bare optimiser is what the benchmark measures on purpose: the warning is its own.
+    # The bare optimizer is what the benchmark measures on purpose: the warning is its own.
     assert payload["dry"] and set(payload["results"]) == {"mlp", "depth1"}
     for name, row in payload["results"].items():
         plain, haliax, fp8ax, bare, current = (
@@ -47,7 +47,7 @@ def test_dry_pass_and_the_bars(dry_run):
         )
         layers = row["converted_layers"]
         # Leaves: three state arrays per layer on the default path, none in the
-        # optimiser; Haliax's layer holds six, and its optimiser none either.
+        # optimizer; Haliax's layer holds six, and its optimizer none either.
         assert fp8ax["leaves"] - plain["leaves"] == 3 * layers, name
         assert haliax["leaves"] - plain["leaves"] == 6 * layers, name
         assert bare["leaves"] - fp8ax["leaves"] == 2 * 3 * layers, name  # Adam's two moments

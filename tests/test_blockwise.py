@@ -1,6 +1,6 @@
 """DeepSeek-style blockwise FP8 (`fp8ax.BlockwiseScaling`) against an independent NumPy
-reference: tiles quantised with float32 arithmetic and ml_dtypes' E4M3 rounding, GEMMs
-computed in float64 chunk by chunk from the same quantised tiles."""
+reference: tiles quantized with float32 arithmetic and ml_dtypes' E4M3 rounding, GEMMs
+computed in float64 chunk by chunk from the same quantized tiles."""
 
 import equinox as eqx
 import jax
@@ -79,7 +79,7 @@ def test_quantize_matches_reference(shape, axes, role, tile, power_of_two, getke
     if power_of_two:
         m, _ = np.frexp(np.asarray(q.scale))
         assert np.all(m == 0.5)
-    # Dequantised: values times their tile's scale.
+    # Dequantized: values times their tile's scale.
     np.testing.assert_array_equal(np.asarray(q.dequantize()), values * expand(scales, tile, shape))
 
 
@@ -108,7 +108,7 @@ def _operands(getkey, m=260, k=300, n=200):
 @pytest.mark.parametrize("power_of_two", [False, True])
 def test_gemms_match_float64_chunks(power_of_two, getkey):
     """Forward, input and weight gradients: one GEMM per 128-long chunk of the
-    contraction, from the tiles each GEMM quantises, against float64. The error left is
+    contraction, from the tiles each GEMM quantizes, against float64. The error left is
     the float32 accumulation inside and across chunks: within 2e-6 of the largest
     entry (measured 1e-7)."""
     x, w, g = _operands(getkey)
@@ -121,10 +121,10 @@ def test_gemms_match_float64_chunks(power_of_two, getkey):
     vw, sw = reference_quantize(w, (128, 128), power_of_two)
     ref = chunked_matmul(vx, expand(sx, (1, 128), x.shape), vw, expand(sw, (128, 128), w.shape), 128)
     # d x = g . w^T, contracting the output features: g in 1x128 tiles along them, the
-    # forward's quantised weight (its square blocks serve this contraction too).
+    # forward's quantized weight (its square blocks serve this contraction too).
     vg, sg = reference_quantize(g, (1, 128), power_of_two)
     ref_dx = chunked_matmul(vg, expand(sg, (1, 128), g.shape), vw.T, expand(sw, (128, 128), w.shape).T, 128)
-    # d w = x^T . g, contracting the rows: x and g re-quantised in 128x1 tiles.
+    # d w = x^T . g, contracting the rows: x and g re-quantized in 128x1 tiles.
     vx2, sx2 = reference_quantize(x, (128, 1), power_of_two)
     vg2, sg2 = reference_quantize(g, (128, 1), power_of_two)
     ref_dw = chunked_matmul(vx2.T, expand(sx2, (128, 1), x.shape).T, vg2, expand(sg2, (128, 1), g.shape), 128)
@@ -134,7 +134,7 @@ def test_gemms_match_float64_chunks(power_of_two, getkey):
 
 
 def test_small_tiles_keep_their_precision(getkey):
-    """Per-tile scales keep a tile of small values that one scale per tensor quantises
+    """Per-tile scales keep a tile of small values that one scale per tensor quantizes
     to a few levels: here only the small tile reaches the output (the weight's rows
     against the large tile are zero)."""
     x, w, _ = _operands(getkey, m=16, k=256, n=64)

@@ -138,7 +138,7 @@ def test_calibrate_bad_input(getkey):
 def test_a_scanned_training_loop_equals_the_python_loop(getkey, carry):
     # A scan body is one program for every step, and so is the jitted step: a fresh model
     # (calibrating on its first step) and a calibrated one, scanned three steps with the
-    # model's arrays (the usual `eqx.partition`) or the whole model and the optimiser
+    # model's arrays (the usual `eqx.partition`) or the whole model and the optimizer
     # state as the carry, equal three steps of a Python loop, bit for bit.
     import optax
 

@@ -4,7 +4,7 @@
   training run resumed from a checkpoint continues bit-for-bit.
 - Haliax state dicts (`haliax.state_dict`, the Hugging Face export path) of a converted
   model hold exactly the plain model's weights, and importing plain weights keeps the FP8
-  state. Haliax's own FP8 quantisation adds extra keys, which is what fp8ax avoids.
+  state. Haliax's own FP8 quantization adds extra keys, which is what fp8ax avoids.
 - `fp8ax.strip_fp8` gives back the plain model, so plain checkpoints load into converted
   models with one line.
 """
@@ -155,7 +155,7 @@ def test_resume_from_checkpoint_is_bit_exact(getkey):
     _assert_trees_bit_equal(resumed_model, final_model)
     _assert_trees_bit_equal(resumed_opt_state, final_opt_state)
 
-    # Contrast: the same weights and optimiser state with *fresh* FP8 state do not
+    # Contrast: the same weights and optimizer state with *fresh* FP8 state do not
     # resume the run exactly, so the FP8 state in the checkpoint is load-bearing.
     reset = fp8ax.fp8_linear_layers(fp8ax.strip_fp8(model))
     _, _, reset_losses = run(reset, opt_state, batches[5:])

@@ -1,8 +1,8 @@
 """Stateless recipes through Fp8DotGeneral: CurrentScaling (tensor / row), MXScaling,
 Int8Scaling, per-operand recipes, high-precision GEMMs, stochastic rounding, quantize().
 
-References are NumPy/ml_dtypes computations written here. Outputs of GEMMs on quantised
-operands are compared to a float64 product of the same quantised values times the
+References are NumPy/ml_dtypes computations written here. Outputs of GEMMs on quantized
+operands are compared to a float64 product of the same quantized values times the
 scales, to float32 rounding (rtol 1e-5 relative to the largest output).
 """
 
@@ -70,9 +70,9 @@ def test_row_scaling_beats_tensor_scaling_on_outlier_rows(getkey):
     [fp8ax.CurrentScaling("tensor"), fp8ax.CurrentScaling("row"), fp8ax.MXScaling(8), fp8ax.Int8Scaling()],
     ids=lambda r: type(r).__name__ + (getattr(r, "granularity", "")),
 )
-def test_gradients_follow_the_quantised_backward_gemms(recipe, getkey):
-    # The backward GEMMs quantise g and the operands again along their own contracting
-    # axes; compare with quantising by hand and multiplying in float64.
+def test_gradients_follow_the_quantized_backward_gemms(recipe, getkey):
+    # The backward GEMMs quantize g and the operands again along their own contracting
+    # axes; compare with quantizing by hand and multiplying in float64.
     x = jax.random.normal(getkey(), (16, 24))
     w = jax.random.normal(getkey(), (24, 8))
     gy = jax.random.normal(getkey(), (16, 8))
@@ -130,8 +130,8 @@ def test_per_operand_recipes_and_high_precision_gemms(getkey):
 
     y, dx, dw = grads(high_precision_gemms=("drhs",))  # torchao's rowwise_with_gw_hp
     np.testing.assert_allclose(np.asarray(dw), np.asarray(x.T @ gy), rtol=1e-5, atol=1e-5)
-    assert sqnr(x.T @ gy, grads()[2]) < 40  # quantised when not excluded
-    y, dx, dw = grads(lhs_recipe="off", rhs_recipe="off")  # only the gradient quantised
+    assert sqnr(x.T @ gy, grads()[2]) < 40  # quantized when not excluded
+    y, dx, dw = grads(lhs_recipe="off", rhs_recipe="off")  # only the gradient quantized
     np.testing.assert_allclose(np.asarray(y), np.asarray(x @ w), rtol=1e-5, atol=1e-5)
     y, dx, dw = grads(grad_recipe="off")
     np.testing.assert_allclose(
@@ -280,7 +280,7 @@ def test_power_of_two_scales_are_exact_powers_of_two(granularity):
 
 
 def test_power_of_two_gemm_of_representable_values_is_exact(getkey):
-    # Values that are E4M3 numbers times a power of two quantise exactly with power-of-two
+    # Values that are E4M3 numbers times a power of two quantize exactly with power-of-two
     # scales, so the FP8 GEMM equals the float32 one (small integers: exact sums).
     grid = jnp.asarray([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, -4.0, 6.0, -8.0, 12.0], jnp.float32)
     x = grid[jax.random.randint(getkey(), (16, 32), 0, 10)] * 2.0**-20

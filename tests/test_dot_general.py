@@ -59,7 +59,7 @@ def test_sqnr_against_float32(mode, dtype, grad_dtype, grad_db, getkey):
 def test_direct_and_qdq_agree(getkey):
     x, w, gy = _data(getkey)
     outs = [_fwd_and_grads(fp8ax.Fp8DotGeneral.init(mode=mode), x, w, gy) for mode in ("direct", "qdq")]
-    # Same quantised operands and scales; only where the scale multiplies differs
+    # Same quantized operands and scales; only where the scale multiplies differs
     # (after vs before the f32 accumulation): float32 rounding.
     for a, b in zip(*outs):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-5 * float(jnp.max(jnp.abs(b))))
@@ -87,7 +87,7 @@ DIMENSION_NUMBERS = [
 
 @pytest.mark.parametrize("lshape,rshape,dims", DIMENSION_NUMBERS)
 def test_gradients_for_any_dimension_numbers(lshape, rshape, dims, getkey):
-    # Reference: float64 NumPy/JAX on the *quantised* operands and gradient (first call:
+    # Reference: float64 NumPy/JAX on the *quantized* operands and gradient (first call:
     # every scale is amax / fp8_max), so the only difference is float32 accumulation.
     x = jax.random.normal(getkey(), lshape, jnp.float32)
     w = jax.random.normal(getkey(), rshape, jnp.float32)

@@ -6,9 +6,9 @@ devices, carried through `lax.scan`, saved and restored, mapped, split over an e
 passed into `jax.shard_map`. Each turns every Python scalar of a pytree into an array, so
 a converted model must have no leaf that is not an array (a regression once made
 `Fp8DotGeneral` hold a Python float that these turned into an array, and the README's
-step then failed inside optax). Each case builds the optimiser state as the README does,
+step then failed inside optax). Each case builds the optimizer state as the README does,
 `opt.init(eqx.filter(model, eqx.is_array))`, trains three steps of the README's step
-through the entry point, and compares every leaf of the model and the optimiser state
+through the entry point, and compares every leaf of the model and the optimizer state
 with three steps of a plain Python loop: bit for bit where both run the same program,
 else to the tolerance written at the case.
 """
@@ -175,7 +175,7 @@ def _orbax_and_continue(model, opt_state, loss_fn, xs, ys, batch, *, fresh, path
 
 
 def _shard_map(model, opt_state, loss_fn, xs, ys, batch):
-    # The model and the optimiser state are arguments of `jax.shard_map`, replicated; the
+    # The model and the optimizer state are arguments of `jax.shard_map`, replicated; the
     # batch is split over every device there is (one in the main test run: the entry
     # point is the same, and test_reuse_matrix.py's 8-device cases cover the collectives).
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("data",))
@@ -236,7 +236,7 @@ def test_the_readme_step_trains_through_every_entry_point(kind, entry, tmp_path)
     assert all(eqx.is_array(leaf) for leaf in jax.tree.leaves(model))
     kwargs = {}
     if entry in ("tree_deserialise_leaves", "orbax_restore"):
-        kwargs["fresh"] = _task(kind, jax.random.fold_in(key, 1))[0]  # another initialisation as the template
+        kwargs["fresh"] = _task(kind, jax.random.fold_in(key, 1))[0]  # another initialization as the template
     if entry == "orbax_restore":
         kwargs["path"] = tmp_path / "ckpt"
     got = ENTRY_POINTS[entry](model, opt_state, loss_fn, xs, ys, batch, **kwargs)
@@ -251,7 +251,7 @@ def test_the_readme_step_trains_through_every_entry_point(kind, entry, tmp_path)
 
 def test_an_ensemble_under_filter_vmap_trains_as_its_members_alone(getkey):
     # `eqx.filter_vmap` over an ensemble turns each member's leaves into one batched
-    # array. The ensemble's step (one optimiser over all members) equals each member's own
+    # array. The ensemble's step (one optimizer over all members) equals each member's own
     # step: the FP8 state bit for bit; weights and Adam moments to float32 rounding
     # (rtol 1e-6: vmap batches the GEMMs, which XLA:CPU may sum in another order).
     n = 3

@@ -44,7 +44,7 @@ def test_there_are_examples():
     }
 
 
-# The examples and the docs' blocks follow the documented path: an optimiser that never
+# The examples and the docs' blocks follow the documented path: an optimizer that never
 # sees the FP8 state (`fp8ax.skip_fp8_state`). `fp8ax.apply_updates` warns when it does;
 # here that is an error. (A `-W` option or PYTHONWARNINGS cannot name fp8ax's warning:
 # Python reads them before the site packages, fp8ax among them, can be imported.)

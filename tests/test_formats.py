@@ -1,4 +1,4 @@
-"""Quantisation against ml_dtypes casting (an independent implementation of the formats)."""
+"""Quantization against ml_dtypes casting (an independent implementation of the formats)."""
 
 import jax
 import jax.numpy as jnp
@@ -152,7 +152,7 @@ def test_amax_of_small_and_empty_tensors(shape, getkey):
 
 
 def test_quantize_bf16_input_is_exact_in_f32(getkey):
-    # bf16 inputs are divided in float32, so the result equals quantising the f32 value.
+    # bf16 inputs are divided in float32, so the result equals quantizing the f32 value.
     x = jax.random.normal(getkey(), (1024,), jnp.float32).astype(jnp.bfloat16)
     got = np.asarray(_formats.quantize(x, jnp.float32(0.013), np.dtype(jnp.float8_e4m3fn)))
     want = _reference(np.asarray(x, np.float32), 0.013, ml_dtypes.float8_e4m3fn, 448.0)
@@ -164,7 +164,7 @@ def test_dequantize_round_trip(getkey):
     x = jax.random.normal(getkey(), (4096,), jnp.float32)
     scale = jnp.max(jnp.abs(x)) / 448.0
     q = _formats.quantize(x, scale, np.dtype(jnp.float8_e4m3fn))
-    y = np.asarray(q, np.float32) * np.float32(scale)  # dequantised in NumPy
+    y = np.asarray(q, np.float32) * np.float32(scale)  # dequantized in NumPy
     from helpers import sqnr
 
     assert sqnr(x, y) >= 25.0
@@ -214,7 +214,7 @@ def _chain(v):
 def test_computed_once_keeps_a_scalar_chain_out_of_its_readers(shape):
     # Six scaled casts, each before a GEMM, read the chain's result. XLA:CPU copies the
     # chain into each of their fusions (6 x 20 selects); behind `computed_once` it is
-    # computed once (20). The count is of the optimised program, the thing
+    # computed once (20). The count is of the optimized program, the thing
     # `computed_once` exists to change.
     def step(state, xs, once):
         v = _chain(state)

@@ -1,4 +1,4 @@
-"""bench/gpu_hlo.py reads optimised XLA:GPU HLO: kernels, FP8 GEMMs, HBM bytes, casts that
+"""bench/gpu_hlo.py reads optimized XLA:GPU HLO: kernels, FP8 GEMMs, HBM bytes, casts that
 wait on their own amax. Checked on small hand-written modules whose answers are known."""
 
 import importlib.util
@@ -84,7 +84,7 @@ def test_waiting_casts_kernels_and_bytes(gpu_hlo):
     assert s["non_gemm_bytes"] == (2 * mib + 4) + 8 + 2 * (3 * mib + 4) + 12 + 4
 
 
-# What does not count as waiting on the tensor's own amax. `normed` casts a normalised
+# What does not count as waiting on the tensor's own amax. `normed` casts a normalized
 # x, which needs x's per-row statistics (a reduction over x, but not to a scalar);
 # `sibling` reads `t`, a full-size tensor that the kernel reducing x to its amax also
 # writes (a multi-output fusion), and is scaled by the given scale. Both fail the old

@@ -11,7 +11,7 @@ autotuned) once, in the process that runs every test. Several xdist workers woul
 compile their own copies and share the one device; tests/conftest.py keeps JAX from
 preallocating 75% of GPU memory per process, so that a plain `pytest -q` on a GPU
 machine works too. The file compiles about 10 programs at 16 to 128 features (2 casts,
-2 initialisations, 1 train step, which `gemm_report` may compile once more, 4 for the
+2 initializations, 1 train step, which `gemm_report` may compile once more, 4 for the
 reuse checks) and a few one-op ones, so that GEMM autotuning keeps the selection to a few
 minutes.
 
@@ -310,7 +310,7 @@ def mlp_run():
     """A converted MLP and a spare converted layer, with hand-set delayed-scaling state;
     the step on clean data, and on data holding NaNs (the same compiled program)."""
 
-    @eqx.filter_jit  # one program for the initialisation (eagerly, one per random op)
+    @eqx.filter_jit  # one program for the initialization (eagerly, one per random op)
     def init(key):
         k1, k2 = jax.random.split(key)
         return {"mlp": eqx.nn.MLP(IN, OUT, WIDTH, 1, key=k1), "spare": eqx.nn.Linear(IN, OUT, key=k2)}

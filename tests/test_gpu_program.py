@@ -1,7 +1,7 @@
 """The program XLA:GPU builds from an FP8 step (issue: make it what the design says).
 
 On every machine: what fp8ax hands XLA (the lowered StableHLO). With the CUDA plugin
-installed (``pip install "jax[cuda12]"``): the optimised HLO of a small train step compiled
+installed (``pip install "jax[cuda12]"``): the optimized HLO of a small train step compiled
 ahead of time for an H100 (bench/gpu_aot.py's topology), read with bench/gpu_hlo.py.
 Without the plugin those tests skip, saying so.
 """
@@ -90,7 +90,7 @@ def b200():
 
 
 def _block_step_program(mesh, recipe, block_scaled_gemm) -> str:
-    """The optimised HLO of the three GEMMs of a block-scaled layer (forward, input and
+    """The optimized HLO of the three GEMMs of a block-scaled layer (forward, input and
     weight gradient), compiled for `mesh`'s GPU."""
     from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -110,8 +110,8 @@ def _block_step_program(mesh, recipe, block_scaled_gemm) -> str:
 def test_block_gemms_are_blackwell_block_scaled_gemms(b200, recipe, values, scales):
     """On compute capability 10.0, all three GEMMs of an MXFP8 or NVFP4 training step
     become cuDNN's block-scaled GEMM on the low-precision values and their block scales
-    (no dequantised copy, no plain GEMM for them); without `block_scaled_gemm` they are
-    dequantised and run as plain GEMMs. (NVFP4's Hadamard rotation of the weight
+    (no dequantized copy, no plain GEMM for them); without `block_scaled_gemm` they are
+    dequantized and run as plain GEMMs. (NVFP4's Hadamard rotation of the weight
     gradient's operands is a small GEMM of its own, by a 16x16 matrix.)"""
     text = _block_step_program(b200, recipe, True)
     calls = re.findall(r'custom_call_target="([^"]+)"', text)
@@ -182,7 +182,7 @@ def test_default_step_compiles_for_an_h100_without_one(h100, mode):
 
 
 def _readme_step_program(mesh, jit_kwargs) -> str:
-    """The optimised HLO of README.md's training step (an Equinox MLP converted by
+    """The optimized HLO of README.md's training step (an Equinox MLP converted by
     `fp8_linear_layers`, `skip_fp8_state(optax.adam)`), compiled for `mesh`'s GPU with
     `jax.jit(..., **jit_kwargs)` (which `eqx.filter_jit` forwards them to)."""
     import optax
@@ -278,7 +278,7 @@ def test_train_step_program_is_what_the_design_says(h100, tmp_path):
     # `calibrate_first_call=False` (fp8ax_direct, fp8ax_qdq) and the default, whose one
     # program serves every step (fp8ax_direct_first): each GEMM on FP8 operands, in both
     # GEMM paths for direct mode and on cuBLASLt for qdq (Triton's GEMM fusions do not take
-    # XLA's dequantise pattern, for Haliax's FP8 neither); each GEMM writes the layer's
+    # XLA's dequantize pattern, for Haliax's FP8 neither); each GEMM writes the layer's
     # dtype (bf16); no conditional; no host callback. Without first-call calibration no FP8
     # cast waits on a reduction of its own input; with it, each cast's scale is a select
     # on its tensor's own amax, so its casts wait (on every step).
@@ -362,13 +362,13 @@ def test_direct_bf16_output_against_a_replay():
     w = jax.random.normal(k[1], (512, 24)).astype(jnp.bfloat16)
     got = np.asarray(dg(x, w, DIMS).astype(jnp.float32))
 
-    def quantise(a):
+    def quantize(a):
         a = np.asarray(a.astype(jnp.float32))
         scale = np.float32(np.abs(a).max()) / np.float32(448)
         return (a / scale).astype(ml_dtypes.float8_e4m3fn), scale
 
-    qx, sx = quantise(x)
-    qw, sw = quantise(w)
+    qx, sx = quantize(x)
+    qw, sw = quantize(w)
     acc = qx.astype(np.float64) @ qw.astype(np.float64)
     scale = np.float32(sx * sw).astype(ml_dtypes.bfloat16).astype(np.float32)
     want = acc.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32) * scale
@@ -380,7 +380,7 @@ def test_direct_bf16_output_against_a_replay():
 @pytest.mark.parametrize("per_expert", [False, True], ids=["tensor", "per_expert"])
 def test_grouped_gemms_run_on_fp8_operands(h100, per_expert):
     """An `Fp8RaggedDot`'s three grouped GEMMs (forward, input and weight gradient) are
-    FP8 GEMMs in the H100 program, with no FP8 operand dequantised first. (XLA:GPU
+    FP8 GEMMs in the H100 program, with no FP8 operand dequantized first. (XLA:GPU
     expands a ragged dot into a dense GEMM over every expert, masked: bench/moe.py
     measures that; this checks that the operands reach it in FP8.)"""
     from jax.sharding import NamedSharding, PartitionSpec as P

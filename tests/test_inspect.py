@@ -143,7 +143,7 @@ def test_report_on_a_haliax_attention_block(getkey):
         assert all("haliax/nn/attention.py" in g.location for g in others), others
 
 
-# An optimised XLA:GPU module as jax 0.10 prints it (operands by name only, types on the
+# An optimized XLA:GPU module as jax 0.10 prints it (operands by name only, types on the
 # instructions that define them): a Triton GEMM fusion whose dot multiplies two FP8
 # parameters, one whose FP8 parameters are converted to bf16 before the dot (what XLA
 # does with the qdq pattern on that path), a cuBLASLt FP8 GEMM, a bf16 cuBLAS GEMM, and

@@ -1,4 +1,4 @@
-"""int8 quantisation, and the int8 GEMM of `Fp8DotGeneral` with `Int8Scaling`, against
+"""int8 quantization, and the int8 GEMM of `Fp8DotGeneral` with `Int8Scaling`, against
 AQT's worked example and NumPy references."""
 
 import functools
@@ -21,7 +21,7 @@ _INT8 = fp8ax.Fp8DotGeneral.init(fp8ax.Int8Scaling())
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def _dot(x, y, dn, out_dtype):
-    """The int8 GEMM as fp8ax runs it: each operand quantised by `Int8Scaling` along the
+    """The int8 GEMM as fp8ax runs it: each operand quantized by `Int8Scaling` along the
     axes `dn` contracts (one scale per slice, as `int8_quantize` gives), int32
     accumulation, then the outer product of the scales."""
     return _INT8(x, y, dn, preferred_element_type=out_dtype)
@@ -69,7 +69,7 @@ def test_aqt_worked_example():
     qw, sw = int8_quantize(w, (0,))  # one scale per column of the weights
     assert qa.dtype == jnp.int8 and qw.dtype == jnp.int8
     assert sa.shape == (3, 1) and sw.shape == (1, 5) and sa.dtype == sw.dtype == jnp.float32
-    # The integer values are AQT's bit for bit (we quantise by multiplying by 127/amax).
+    # The integer values are AQT's bit for bit (we quantize by multiplying by 127/amax).
     np.testing.assert_array_equal(np.asarray(qa), _aqt_quant_f32(a, 1))
     np.testing.assert_array_equal(np.asarray(qw), _aqt_quant_f32(w, 0))
     out = _dot(a, w, MATMUL, jnp.float32)
@@ -80,7 +80,7 @@ def test_aqt_worked_example():
 
 
 def test_multiply_vs_divide_rounding():
-    # Why quantisation multiplies by 127/amax rather than dividing by amax/127: the two
+    # Why quantization multiplies by 127/amax rather than dividing by amax/127: the two
     # float32 computations round differently for some inputs, and AQT multiplies. Find
     # such inputs and check that we give AQT's integers there.
     rng = np.random.default_rng(0)
@@ -197,7 +197,7 @@ def test_dot_general_against_numpy(lshape, rshape, dn):
     lq, ls = _quantize(x, lc)
     rq, rs = _quantize(y, rc)
     out, out_bf16 = _dot(x, y, dn, jnp.float32), _dot(x, y, dn, jnp.bfloat16)
-    dn_pos = _normalise(dn, x.ndim, y.ndim)
+    dn_pos = _normalize(dn, x.ndim, y.ndim)
     want_shape = jax.eval_shape(lambda a, b: jax.lax.dot_general(a, b, dn_pos), x, y).shape
     assert out.shape == want_shape and out.dtype == jnp.float32
     want = _einsum_reference(*map(np.asarray, (lq, ls, rq, rs)), dn_pos)
@@ -210,7 +210,7 @@ def test_dot_general_against_numpy(lshape, rshape, dn):
     np.testing.assert_allclose(np.asarray(out_bf16, np.float64), want, rtol=2**-8, atol=0)
 
 
-def _normalise(dn, lnd, rnd):
+def _normalize(dn, lnd, rnd):
     (lc, rc), (lb, rb) = dn
     f = lambda axes, n: tuple(a % n for a in axes)  # noqa: E731
     return ((f(lc, lnd), f(rc, rnd)), (f(lb, lnd), f(rb, rnd)))
@@ -218,7 +218,7 @@ def _normalise(dn, lnd, rnd):
 
 def test_sqnr_against_float():
     # int8 with per-row / per-column scales on standard normal data. Each operand's
-    # quantisation noise is ~uniform with variance step**2 / 12, step = amax / 127, with
+    # quantization noise is ~uniform with variance step**2 / 12, step = amax / 127, with
     # amax ~ 3.4 over 1024 normals: a per-operand SQNR of 10 log10(12 127**2 / 3.4**2)
     # ~ 42.2 dB; the two independent noises add in the product: ~ 39.2 dB.
     # Measured: 39.15 dB. Threshold 37 dB (2 dB margin). For comparison, one scale per
@@ -247,7 +247,7 @@ def test_rejects_bad_arguments():
 
 def test_a_non_finite_slice_comes_out_as_nan():
     # int8 has no NaN: the slice gets values 0 and an infinite scale, so the NaN shows in
-    # the dequantised slice and in the GEMM's row, not as a plausible number.
+    # the dequantized slice and in the GEMM's row, not as a plausible number.
     x = np.ones((3, 8), np.float32)
     x[1, 2] = np.nan
     x[2, 5] = np.inf

@@ -66,7 +66,7 @@ def _params(tree):
 
 
 def _zero_state(tree):
-    # What the optimiser gets and holds for the FP8 state: zeros, never anything else.
+    # What the optimizer gets and holds for the FP8 state: zeros, never anything else.
     is_fp8 = lambda x: isinstance(x, fp8ax.Fp8DotGeneral)  # noqa: E731
     modules = [m for m in jax.tree.leaves(tree, is_leaf=is_fp8) if is_fp8(m)]
     leaves = jax.tree.leaves(eqx.filter(modules, eqx.is_array))
@@ -92,7 +92,7 @@ def test_optax_chain_clip_decay_sgd_matches_hand_computation(getkey):
     new = fp8ax.apply_updates(model, updates, overwrite)
 
     # By hand, in float64: the global norm covers the ordinary gradients only (the
-    # optimiser gets zeros for the FP8 state).
+    # optimizer gets zeros for the FP8 state).
     assert _zero_state(grads)
     g = [np.asarray(a, np.float64) for a in jax.tree.leaves(_params(grads))]
     p = [np.asarray(a, np.float64) for a in jax.tree.leaves(_params(model))]

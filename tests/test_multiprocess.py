@@ -122,7 +122,7 @@ def test_two_processes_match_one_and_orbax_resumes(tmp_path):
         assert any("dot_general.lhs" in k for k in keys) and any("opt_state" in k for k in keys), keys
         for name in ("process0", "process1"):
             assert sorted(k for k in runs[name] if k.startswith(f"{model}/")) == sorted(keys)
-            # Every leaf, bit for bit: parameters, FP8 state, optimiser state, losses.
+            # Every leaf, bit for bit: parameters, FP8 state, optimizer state, losses.
             differ = [k for k in keys if not _bitwise_equal(runs[name][k], single[k])]
             assert not differ, f"{model}: {name} differs from one process with 8 devices in {differ}"
         # Training moved the parameters and filled the state.

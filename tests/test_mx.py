@@ -1,4 +1,4 @@
-"""MX block quantisation against an independent float64 NumPy + ml_dtypes reference."""
+"""MX block quantization against an independent float64 NumPy + ml_dtypes reference."""
 
 import jax
 import jax.numpy as jnp
@@ -41,10 +41,10 @@ def _half_ulp_at_max(elem: str) -> float:
 
 
 def _reference(x: np.ndarray, axis: int, elem: str, block_size: int, rule: str):
-    """MX quantisation in float64 NumPy, element rounding by ml_dtypes.
+    """MX quantization in float64 NumPy, element rounding by ml_dtypes.
 
     Returns (elements in the ml_dtypes element type, or int8 k for INT8; E8M0 codes as
-    uint8; dequantised values in float64). NaN/inf blocks get the NaN scale and NaN
+    uint8; dequantized values in float64). NaN/inf blocks get the NaN scale and NaN
     (E4M3, E5M2) or zero elements; amax-0 blocks get 2**-127.
     """
     mldtype, emax, vmax = ELEMS[elem]
@@ -108,7 +108,7 @@ def _assert_elements_equal(got, want):
 def _assert_dequant_equal(got, want):
     got = np.asarray(got)
     assert got.dtype == np.float32
-    # Every dequantised MX value is a float32 (subnormals included), or beyond float32's
+    # Every dequantized MX value is a float32 (subnormals included), or beyond float32's
     # range and so +-inf (the ceil rule can round the top of float32 up to 2**128):
     # compare exactly.
     with np.errstate(over="ignore"):
@@ -373,7 +373,7 @@ def test_low_precision_inputs_match_float32(getkey):
         want_v, want_s = quantize(xl.astype(jnp.float32), 1, "e4m3", 32, "floor")
         _assert_elements_equal(got_v, np.asarray(want_v))
         np.testing.assert_array_equal(np.asarray(got_s).view(np.uint8), np.asarray(want_s).view(np.uint8))
-    # Dequantising to bfloat16 rounds the exact float32 result once.
+    # Dequantizing to bfloat16 rounds the exact float32 result once.
     v, s = quantize(x, 1, "e5m2", 32, "floor")
     got = np.asarray(dequantize(v, s, 1, 32, jnp.bfloat16))
     assert got.dtype == jnp.bfloat16
@@ -424,7 +424,7 @@ def test_gradient_of_a_full_contraction():
     # A vector dot product: the output, and so its gradient, is 0-d. Each backward GEMM
     # multiplies the gradient (one element: one block) by the other operand in MX blocks
     # along its only axis; with a gradient of 1 (exact in E5M2) the input gradients are
-    # those operands quantised, exactly.
+    # those operands quantized, exactly.
     import fp8ax
 
     k = jax.random.split(jax.random.key(3), 2)
@@ -436,7 +436,7 @@ def test_gradient_of_a_full_contraction():
     gx, gw = jax.jit(jax.grad(lambda x, w: dg(x, w, dims), argnums=(0, 1)))(x, w)
     np.testing.assert_array_equal(np.asarray(gx), np.asarray(fp8ax.quantize(w, recipe, axis=0).dequantize()))
     np.testing.assert_array_equal(np.asarray(gw), np.asarray(fp8ax.quantize(x, recipe, axis=0).dequantize()))
-    # A gradient that is not a power of two is quantised too: 0.3 in E5M2 is 0.3125.
+    # A gradient that is not a power of two is quantized too: 0.3 in E5M2 is 0.3125.
     gx = jax.jit(jax.grad(lambda x: 0.3 * dg(x, w, dims)))(x)
     np.testing.assert_array_equal(
         np.asarray(gx), np.float32(0.3125) * np.asarray(fp8ax.quantize(w, recipe, axis=0).dequantize())
@@ -463,10 +463,10 @@ def _documented_scaled_matmul(lhs, rhs, lhs_scales, rhs_scales, preferred_elemen
 def test_block_scaled_gemm_layout(lhs_shape, rhs_shape, dims, getkey, monkeypatch):
     """`block_scaled_gemm=True` hands the three MXFP8 GEMMs to `jax.nn.scaled_matmul` in
     its (B, M, K) x (B, N, K) layout; with the documented definition of that function in
-    its place (JAX has no CPU lowering), forward and gradients equal the dequantised
+    its place (JAX has no CPU lowering), forward and gradients equal the dequantized
     GEMMs of `block_scaled_gemm=False` (float32 sums of the same exact products: within
     1e-6 of the largest entry). Every contraction here is a multiple of 32 long; a GEMM
-    whose contraction is not (a partial block) keeps the dequantised GEMM."""
+    whose contraction is not (a partial block) keeps the dequantized GEMM."""
     calls = []
 
     def fake(*args, **kwargs):
@@ -496,7 +496,7 @@ def test_block_scaled_gemm_layout(lhs_shape, rhs_shape, dims, getkey, monkeypatc
 
 def test_block_scaled_gemm_needs_whole_mxfp8_blocks(getkey, monkeypatch):
     """A contraction that is not a multiple of 32 long, FP4 elements, and the default on
-    a machine without a Blackwell GPU keep the dequantised GEMM; a bad flag is an error
+    a machine without a Blackwell GPU keep the dequantized GEMM; a bad flag is an error
     naming it."""
     from fp8ax._gemm.kernels import _blackwell_default_device
 

@@ -1,6 +1,6 @@
 """NVFP4 (`fp8ax.NVFP4Scaling`) against an independent NumPy reference: two-level scales
 computed in float32 NumPy arithmetic, E4M3 and E2M1 rounding by ml_dtypes, GEMMs in
-float64 from the same quantised blocks; the random Hadamard transform and stochastic
+float64 from the same quantized blocks; the random Hadamard transform and stochastic
 rounding checked for what they promise (orthogonality, reproducibility, unbiasedness)."""
 
 import io
@@ -111,7 +111,7 @@ def test_special_values():
 
 
 def test_gemms_match_float64(getkey):
-    """Forward and input gradient from the reference's quantised blocks (round to nearest,
+    """Forward and input gradient from the reference's quantized blocks (round to nearest,
     no rotation), multiplied in float64: the layer is within float32 accumulation of it."""
     x = jax.random.normal(getkey(), (64, 96))
     w = jax.random.normal(getkey(), (96, 48)) * 0.05
@@ -127,7 +127,7 @@ def test_gemms_match_float64(getkey):
 
 def test_weight_gradient_is_rotated(getkey):
     """With the Hadamard transform the weight gradient is the float64 GEMM of the rotated
-    activation and gradient, each quantised by the reference along the tokens."""
+    activation and gradient, each quantized by the reference along the tokens."""
     x = jax.random.normal(getkey(), (64, 96))
     w = jax.random.normal(getkey(), (96, 48)) * 0.05
     g = jax.random.normal(getkey(), (64, 48))
@@ -228,7 +228,7 @@ def test_block_scaled_gemm_layout(getkey, monkeypatch):
     (E2M1 values, an E4M3 scale per 16 elements of K, the 16x16 weight blocks repeated per
     row) and multiplies by the two tensor scales; with the function's documented
     definition in its place (JAX lowers it for GPUs only) forward and gradients equal the
-    dequantised GEMMs (float32 sums of the same exact products: within 1e-6 of the
+    dequantized GEMMs (float32 sums of the same exact products: within 1e-6 of the
     largest entry)."""
     from test_mx import _documented_scaled_matmul
 

@@ -2,7 +2,7 @@
 
 `jax.vmap` of a custom VJP vmaps its backward pass, which computes one weight gradient
 per example (an outer product each) and sums them. fp8ax's backward pass has a `vmap`
-rule that folds the examples into one GEMM when every example is quantised with the
+rule that folds the examples into one GEMM when every example is quantized with the
 same scale (delayed scaling), and warns once otherwise.
 """
 
@@ -83,7 +83,7 @@ def test_per_example_weight_gradient_is_one_gemm(calibrated, getkey):
     "recipe", [None, fp8ax.DelayedScaling(calibrate_first_call=False)], ids=["default", "no-calibration"]
 )
 def test_per_example_gradients_equal_the_batched_call(recipe, getkey):
-    # Bit for bit: the fold runs the same quantised values through one bigger GEMM, and
+    # Bit for bit: the fold runs the same quantized values through one bigger GEMM, and
     # the new state is the same merged observation.
     lin = _linear(getkey, recipe)
     x = jax.random.normal(getkey(), (B, IN))
@@ -118,7 +118,7 @@ def test_nested_per_example_calls_fold_twice(getkey):
 
 
 def test_per_example_scales_warn_once(getkey, monkeypatch):
-    # Current scaling quantises each example with its own scale, so the examples cannot
+    # Current scaling quantizes each example with its own scale, so the examples cannot
     # share one GEMM: fp8ax says so once, and computes per example as before.
     monkeypatch.setattr(_dense, "_WARNED", set())
     jax.clear_caches()  # the warning is given while a pass is traced, and JAX caches that
@@ -135,7 +135,7 @@ def test_per_example_scales_warn_once(getkey, monkeypatch):
         np.asarray(eqx.filter_grad(lambda m, i=i: jnp.sum(m(x[i]) * wy[i]))(lin).weight, dtype=np.float64)
         for i in range(x.shape[0])
     )
-    # Each example quantised on its own scales in both: the same products, summed over
+    # Each example quantized on its own scales in both: the same products, summed over
     # the examples in float32 (in another order) here and in float64 there.
     np.testing.assert_allclose(np.asarray(g.weight, np.float64), ref, rtol=1e-5, atol=1e-6)
     with warnings.catch_warnings():

@@ -1,4 +1,4 @@
-"""The quantise-then-GEMM pipeline: true delayed scaling in the traced step, the one program
+"""The quantize-then-GEMM pipeline: true delayed scaling in the traced step, the one program
 of first-call calibration, and the one settings object."""
 
 import dataclasses
@@ -24,13 +24,13 @@ def _model(getkey, recipe=None):
 
 def test_delayed_scaling_casts_do_not_wait_for_their_amax(getkey):
     """Without first-call calibration no FP8 cast in the step depends on any tensor's
-    amax, fresh or filled: each tensor is quantised with the scale its state gives, and
+    amax, fresh or filled: each tensor is quantized with the scale its state gives, and
     its amax (for the next state) is computed beside the cast."""
     fresh = _model(getkey, fp8ax.DelayedScaling(calibrate_first_call=False))
     x = jax.random.normal(getkey(), (32, 8))
     for model in (fresh, eqx.filter_jit(train_step)(fresh, x)):
         walk = _walk_step(model, x)
-        # 3 layers x (input, kernel, output gradient), each quantised once.
+        # 3 layers x (input, kernel, output gradient), each quantized once.
         assert len(walk.converts) == 9
         assert walk.amaxes >= 9  # every tensor's amax is still computed, for the state
         assert walk.branches == []
@@ -160,7 +160,7 @@ def test_tracing_leaves_nothing_behind_at_exit():
     assert "Exception ignored" not in out.stderr, out.stderr
 
 
-def test_forward_operands_are_quantised_together(getkey, monkeypatch):
+def test_forward_operands_are_quantized_together(getkey, monkeypatch):
     # Each layer's two forward operands go through one `quantize_operands` (delayed
     # scaling: one conditional for both), its output gradient through another.
     groups = []

@@ -1,5 +1,5 @@
 """Grouped GEMMs (`fp8ax.Fp8RaggedDot`, converted `haliax.nn.MoELinear`): the three ragged
-dots against float64 NumPy GEMMs of the registry's reference quantisation, group by
+dots against float64 NumPy GEMMs of the registry's reference quantization, group by
 group (empty, size-1 and uneven groups, rows past the last group), per-tensor and
 per-expert weight scales, the per-expert state, conversion, and errors.
 
@@ -56,7 +56,7 @@ def _grouped(a, b, sizes, kind):
 
 def _close(got, want, what):
     # float32 accumulation of exact products, scales applied after: within 1e-5 of the
-    # largest entry (the dequantise-then-GEMM path rounds each product once more).
+    # largest entry (the dequantize-then-GEMM path rounds each product once more).
     got = np.asarray(got, np.float64)
     assert got.shape == want.shape, (what, got.shape, want.shape)
     scale = max(np.max(np.abs(want)), 1e-30)
@@ -83,7 +83,7 @@ GEMM_CASES = [(n, "uneven") for n in REGISTRY] + [
 @pytest.mark.parametrize("name,groups", GEMM_CASES, ids=[f"{n}-{g}" for n, g in GEMM_CASES])
 def test_gemms_match_reference(name, groups, getkey):
     """Forward, input and weight gradient of one tensor of expert weights against float64
-    grouped GEMMs of the reference's quantised operands (each GEMM's own contraction)."""
+    grouped GEMMs of the reference's quantized operands (each GEMM's own contraction)."""
     entry = REGISTRY[name]
     recipe, ref = entry.recipe, entry.reference
     sizes = jnp.array(GROUPS[groups], jnp.int32)
@@ -102,7 +102,7 @@ def test_gemms_match_reference(name, groups, getkey):
 
 @pytest.mark.parametrize("name", PER_EXPERT)
 def test_per_expert_weights_match_reference(name, getkey):
-    """Per-expert weight scales: each expert's weight quantised as a tensor of its own."""
+    """Per-expert weight scales: each expert's weight quantized as a tensor of its own."""
     entry = REGISTRY[name]
     recipe, ref = entry.recipe, entry.reference
     s = GROUPS["uneven"]
@@ -309,7 +309,7 @@ SERVED_CASES = [(n, False) for n in SERVED] + [(n, True) for n in ("delayed", "c
 
 @pytest.mark.parametrize("name,per_group", SERVED_CASES, ids=[f"{n}{'-per-group' * g}" for n, g in SERVED_CASES])
 def test_serving_is_bit_exact(name, per_group, getkey):
-    """`to_serving` of a trained MoE model: the expert weights stored quantised (1 byte per
+    """`to_serving` of a trained MoE model: the expert weights stored quantized (1 byte per
     value, or 2 FP4 values per byte), the output equal to the training model's bit for
     bit; `serving_template` has its structure; it cannot be differentiated."""
     recipe = REGISTRY[name].recipe
@@ -349,7 +349,7 @@ def test_serving_needs_every_expert_observed(getkey):
 
 @pytest.mark.parametrize("name", PER_EXPERT)
 def test_per_group_tokens_match_reference(name, getkey):
-    """Per-group token scales: the tokens (and output gradients) of each group quantised
+    """Per-group token scales: the tokens (and output gradients) of each group quantized
     as a tensor of their own, the weights per expert."""
     entry = REGISTRY[name]
     recipe, ref = entry.recipe, entry.reference

@@ -1,5 +1,5 @@
 """Every recipe of the registry (tests/recipe_registry.py), through the same tests:
-quantisation and the three GEMMs against the entry's independent NumPy reference,
+quantization and the three GEMMs against the entry's independent NumPy reference,
 jit/scan/vmap, a stacked Haliax model, a checkpoint round trip, the state invariants,
 and SQNR bounds."""
 
@@ -28,8 +28,8 @@ def _wide(key, shape):
     return jax.random.normal(k1, shape) * jnp.exp(2.0 * jax.random.normal(k2, shape))
 
 
-def _dequantised(q) -> np.ndarray:
-    """A `QuantizedArray` dequantised in float64 NumPy (exactly, without the float32
+def _dequantized(q) -> np.ndarray:
+    """A `QuantizedArray` dequantized in float64 NumPy (exactly, without the float32
     subnormal flushing of XLA:CPU): values times their scale."""
     scale = np.asarray(q.expanded_scale())
     if scale.dtype == ml_dtypes.float8_e8m0fnu:
@@ -39,9 +39,9 @@ def _dequantised(q) -> np.ndarray:
     return values * scale.astype(np.float64) * 2.0**q.int_exponent * outer
 
 
-def _quantised(recipe, x, axes, role):
-    """`x` quantised as operand `role`, as the pipeline asks (a fresh state for a stateful
-    recipe), dequantised."""
+def _quantized(recipe, x, axes, role):
+    """`x` quantized as operand `role`, as the pipeline asks (a fresh state for a stateful
+    recipe), dequantized."""
     state = recipe.init_state()
     op = fp8ax.Operand(
         x,
@@ -51,7 +51,7 @@ def _quantised(recipe, x, axes, role):
         jax.random.key(0) if recipe.stochastic(role) else None,
         role=role,
     )
-    return _dequantised(recipe.quantize_operands([op])[0][0])
+    return _dequantized(recipe.quantize_operands([op])[0][0])
 
 
 CASES = {  # role: (shape, contracting axes)
@@ -66,14 +66,14 @@ CASES = {  # role: (shape, contracting axes)
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("name", NAMES)
-def test_quantisation_matches_reference(name, case, getkey):
+def test_quantization_matches_reference(name, case, getkey):
     entry = REGISTRY[name]
     role = case.split("-")[0]
     if entry.recipe.stochastic(role):
         pytest.skip("stochastic rounding: tests/test_rounding.py checks it statistically")
     shape, axes = CASES[case]
     for x in (_wide(getkey(), shape), 4e-36 * jax.random.normal(getkey(), shape), jnp.zeros(shape)):
-        got = _quantised(entry.recipe, x, axes, role)
+        got = _quantized(entry.recipe, x, axes, role)
         want = entry.reference(np.asarray(x, np.float32), axes, role)
         # Bit for bit: every reference rounds once, as the recipe must.
         np.testing.assert_array_equal(got, want, err_msg=f"{name} {case} amax {float(jnp.max(jnp.abs(x)))}")
@@ -82,7 +82,7 @@ def test_quantisation_matches_reference(name, case, getkey):
 @pytest.mark.parametrize("name", NAMES)
 def test_gemms_match_reference(name, getkey):
     """Forward, input and weight gradient against float64 GEMMs of the reference's
-    quantised operands (each GEMM's own contraction). Left: float32 accumulation
+    quantized operands (each GEMM's own contraction). Left: float32 accumulation
     (within 4e-6 of the largest entry)."""
     entry = REGISTRY[name]
     recipe, ref = entry.recipe, entry.reference

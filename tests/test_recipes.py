@@ -121,7 +121,7 @@ def test_hand_replay_five_steps(recipe, getkey):
             np.testing.assert_allclose(np.asarray(st.scale), rep.scale, rtol=1e-6, err_msg=f"step {t}")
             np.testing.assert_allclose(np.asarray(st.amax_history), rep.hist, rtol=1e-6, err_msg=f"step {t}")
         # The forward used the replayed scales: the output is the exact product of the
-        # quantised operands (float64 here, float32 accumulation there: rtol 1e-5).
+        # quantized operands (float64 here, float32 accumulation there: rtol 1e-5).
         ref = (_q(x, sl, ml_dtypes.float8_e4m3fn, 448.0) @ _q(w, sr, ml_dtypes.float8_e4m3fn, 448.0)) * (sl * sr)
         np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
 
@@ -157,7 +157,7 @@ def test_hand_replay_when_some_histories_are_empty(empty, getkey):
         np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
 
 
-def test_operands_quantised_together_match_one_by_one(getkey):
+def test_operands_quantized_together_match_one_by_one(getkey):
     # `quantize_operands` (one decision for the call) against `quantize_operand` of each
     # operand alone, with one filled history and one empty.
     recipe = fp8ax.DelayedScaling(history_length=4)
@@ -202,7 +202,7 @@ def test_operands_quantised_together_match_one_by_one(getkey):
 )
 def test_without_calibration_a_corrupt_history_keeps_the_scale(history, expected):
     # `calibrate_first_call=False` compiles no conditional and so raises nothing; a
-    # history that went through an optimiser must not give a scale either.
+    # history that went through an optimizer must not give a scale either.
     recipe = fp8ax.DelayedScaling(history_length=4, calibrate_first_call=False)
     old_scale = np.float32(0.25)
     x = jnp.linspace(-2.0, 2.0, 12, dtype=jnp.float32).reshape(3, 4)
@@ -357,12 +357,12 @@ def test_overriding_stochastic_instead_of_rounding_seed_is_an_error():
         _Old(True)
 
 
-def test_a_stateless_recipe_quantises_by_role():
+def test_a_stateless_recipe_quantizes_by_role():
     # Its one method is `quantize_role`; the stateful entry point and a role-less operand
     # are refused with the call to make instead (no format is read back into a role).
     x = jnp.ones((4, 8))
     recipe = fp8ax.MXScaling(4, "e4m3", "e5m2")
-    with pytest.raises(TypeError, match="quantises by role: call `quantize_role"):
+    with pytest.raises(TypeError, match="quantizes by role: call `quantize_role"):
         recipe.quantize_operand(x, (1,), recipe.fwd_dtype)
     with pytest.raises(ValueError, match="`Operand.role` must be 'lhs', 'rhs' or 'grad'"):
         recipe.quantize_operands([fp8ax.Operand(x, (1,), recipe.grad_dtype)])

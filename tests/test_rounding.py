@@ -136,7 +136,7 @@ def test_unbiased(jdtype, npdtype, bound, getkey):
 @pytest.mark.parametrize("jdtype,npdtype,bound", FORMATS, ids=IDS)
 def test_small_probabilities(jdtype, npdtype, bound, getkey):
     # Fractions p = 2**-k just above lo: the round-up probability must still be p (not
-    # quantised to 2**-23 or to 0). Over N * n draws the count of round-ups is
+    # quantized to 2**-23 or to 0). Over N * n draws the count of round-ups is
     # Binomial(N n, p) ~ Poisson; check it within 5 sigma of N n p.
     grid = _representable(npdtype)
     pos = grid[grid >= 0]

@@ -56,7 +56,7 @@ def test_training_records_the_running_max(getkey):
     model = adam_trained(model, _loss(3 * x), 1)
     model = adam_trained(model, _loss(0.5 * x), 1)
     np.testing.assert_array_equal(np.asarray(model.layers[0].dot_general.lhs.amax), np.max(np.abs(3 * np.asarray(x))))
-    # The weight's: the largest amax of the weight the steps quantised (before each update).
+    # The weight's: the largest amax of the weight the steps quantized (before each update).
     assert float(model.layers[0].dot_general.rhs.amax) > 0 and float(model.layers[1].dot_general.grad.amax) > 0
 
 
@@ -92,7 +92,7 @@ def test_serving_freezes_the_recipes_scale(getkey):
 def test_corrupt_state_is_refused_by_serving(getkey):
     model = adam_trained(_mlp(getkey()), _loss(jax.random.normal(getkey(), (8, 16))), 1)
     bad = eqx.tree_at(lambda m: m.layers[1].dot_general.rhs, model, RunningMax(jnp.float32(-1.0)))
-    with pytest.raises(ValueError, match=r"Layer `layers\.1`, weight state \(`rhs`\): .*went through an optimiser"):
+    with pytest.raises(ValueError, match=r"Layer `layers\.1`, weight state \(`rhs`\): .*went through an optimizer"):
         fp8ax.to_serving(bad)
 
 
@@ -164,7 +164,7 @@ class _Wrapped(fp8ax.AbstractScalingRecipe):
         (
             "values",
             TypeError,
-            r"_Wrapped must quantise to an `fp8ax.QuantizedArray`, got an array of shape \(4, 16\) and dtype float8_e4m3fn",
+            r"_Wrapped must quantize to an `fp8ax.QuantizedArray`, got an array of shape \(4, 16\) and dtype float8_e4m3fn",
         ),
     ],
 )

@@ -1,4 +1,4 @@
-"""Serving (issue 11): `fp8ax.to_serving` stores quantised weights, and the serving model
+"""Serving (issue 11): `fp8ax.to_serving` stores quantized weights, and the serving model
 computes what the training model computes, bit for bit, for every recipe.
 
 - Output equality with `assert_array_equal` under `jit`, on Haliax `Linear` and `Stacked`
@@ -238,7 +238,7 @@ def test_never_observed_state_is_an_error(getkey):
 
 @pytest.mark.parametrize("role, what", [("lhs", "activation"), ("rhs", "weight")])
 def test_corrupt_state_is_an_error(role, what, getkey):
-    # A state that went through an optimiser (`eqx.apply_updates` on the raw gradient)
+    # A state that went through an optimizer (`eqx.apply_updates` on the raw gradient)
     # would freeze a scale from values fp8ax never wrote.
     model, _ = _trained("haliax", fp8ax.Fp8Config(), jnp.float32, getkey)
     where = lambda m: getattr(m.down_proj.dot_general, role)  # noqa: E731

@@ -205,7 +205,7 @@ def test_values_above_the_delayed_range_saturate(getkey):
     dg = _trained(getkey)  # history says |x| <~ 8
     w = jnp.ones((8, 3))
     y = dg(jnp.full((4, 8), 1e6), w, DIMS)
-    # Every element of x clips to 448 (no inf); w's ones quantise to 1/rhs_scale (within
+    # Every element of x clips to 448 (no inf); w's ones quantize to 1/rhs_scale (within
     # E4M3's 3 mantissa bits: 7% tolerance), so y = 8 * 448 * lhs_scale.
     assert bool(jnp.all(jnp.isfinite(y)))
     lhs_scale = float(jnp.max(dg.lhs.amax_history)) / 448.0

@@ -33,7 +33,7 @@ def _dg_with_history(lhs_amax: float, rhs_amax: float) -> fp8ax.Fp8DotGeneral:
 
 
 def _reference(x, history_max):
-    """(saturation, underflow) of `x` quantised to E4M3 with delayed scaling, in NumPy."""
+    """(saturation, underflow) of `x` quantized to E4M3 with delayed scaling, in NumPy."""
     scale = np.float32(history_max) * np.float32(1.0 / E4M3_MAX)  # the scale the call uses (float32)
     y = np.asarray(x, np.float64) / np.float64(scale)
     q = np.clip(y, -E4M3_MAX, E4M3_MAX).astype(np.float32).astype(ml_dtypes.float8_e4m3fn).astype(np.float64)
@@ -68,7 +68,7 @@ E5M2_MAX = 57344.0
 
 
 def _grad_reference(g, history_max):
-    """(saturation, underflow) of an output gradient `g` quantised to E5M2 with delayed scaling."""
+    """(saturation, underflow) of an output gradient `g` quantized to E5M2 with delayed scaling."""
     scale = np.float32(history_max) * np.float32(1.0 / E5M2_MAX)
     y = np.asarray(g, np.float64) / np.float64(scale)
     q = np.clip(y, -E5M2_MAX, E5M2_MAX).astype(np.float32).astype(ml_dtypes.float8_e5m2).astype(np.float64)

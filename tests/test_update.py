@@ -29,7 +29,7 @@ def test_partition_splits_state_from_parameters(getkey):
     assert overwrite.up_proj.weight.array is None
     assert rest.up_proj.weight.array is m.up_proj.weight.array
     # In place of the state, zeros: the state is not trained. `rest` has the structure of
-    # the model's arrays, so an optimiser state built from them matches it.
+    # the model's arrays, so an optimizer state built from them matches it.
     assert jax.tree.structure(rest) == jax.tree.structure(eqx.filter(m, eqx.is_array))
     dg = rest.up_proj.dot_general
     assert isinstance(dg, fp8ax.Fp8DotGeneral) and dg.settings == m.up_proj.dot_general.settings
@@ -39,7 +39,7 @@ def test_partition_splits_state_from_parameters(getkey):
 
 @pytest.mark.needs_hax_dot
 def test_tldr_train_step_with_adamw(getkey):
-    # The README's step, with an optimiser that reads `params` (weight decay).
+    # The README's step, with an optimizer that reads `params` (weight decay).
     model = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
     x, y = _data(getkey)
     opt = optax.adamw(1e-2, weight_decay=0.1)
@@ -92,7 +92,7 @@ def test_gradients_passed_as_overwrite_are_refused(getkey):
 
 
 @pytest.mark.needs_hax_dot
-def test_what_the_optimiser_makes_of_the_state_is_ignored(getkey):
+def test_what_the_optimizer_makes_of_the_state_is_ignored(getkey):
     # Weight decay turns the state's zero gradient into nonzero updates: the state is
     # written from `overwrite` alone, bit for bit, and the weights get their updates.
     model = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
@@ -174,7 +174,7 @@ def test_interop_with_haliax_helpers(getkey):
     overwrite, grads = haxq.partition_for_grad_overwrite(grads)
     new = haxq.apply_updates(ours, jax.tree.map(lambda g: -0.01 * g, grads), overwrite)
     assert float(new.up_proj.dot_general.lhs.amax_history[0]) == float(jnp.max(jnp.abs(x.array)))
-    # And fp8ax's helpers run a Haliax-quantised model.
+    # And fp8ax's helpers run a Haliax-quantized model.
     grads = eqx.filter_grad(mse)(theirs, x, y)
     overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)
     new = fp8ax.apply_updates(theirs, jax.tree.map(lambda g: -0.01 * g, grads), overwrite)
@@ -191,7 +191,7 @@ def test_clip_by_global_norm_does_not_see_state(getkey):
     x, y = _data(getkey)
     _, grads = fp8ax.partition_for_grad_overwrite(eqx.filter_grad(mse)(model, x, y))
     plain_grads = eqx.filter_grad(mse)(plain, x, y)
-    # The global norm of what the optimiser sees covers the parameters only (the FP8
+    # The global norm of what the optimizer sees covers the parameters only (the FP8
     # gradients are close to, not equal to, the float32 ones: 10% tolerance).
     assert float(optax.tree.norm(grads)) == pytest.approx(float(optax.tree.norm(plain_grads)), rel=0.1)
     # What it sees of the FP8 state is zero.
@@ -241,10 +241,10 @@ def test_apply_updates_with_overwrite_none(getkey):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-# The optimiser state as Equinox's examples build it, from the whole model:
+# The optimizer state as Equinox's examples build it, from the whole model:
 # `opt.init(eqx.filter(model, eqx.is_array))`, FP8 state included.
 
-_OPTIMISERS = {
+_OPTIMIZERS = {
     "adam": lambda: optax.adam(1e-2),
     "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
     "sgd-momentum": lambda: optax.sgd(1e-2, momentum=0.9),
@@ -254,8 +254,8 @@ _OPTIMISERS = {
 
 
 def _trained_with(model, loss, opt, init_from, steps):
-    """`model` after `steps` jitted fp8ax steps, the optimiser state built from
-    `init_from`; checks that the optimiser state keeps its structure and shapes, and
+    """`model` after `steps` jitted fp8ax steps, the optimizer state built from
+    `init_from`; checks that the optimizer state keeps its structure and shapes, and
     returns the model and how many times the step was traced."""
     with jax.numpy_dtype_promotion("standard"):  # optax mixes its int step count with floats
         state = opt.init(eqx.filter(init_from, eqx.is_array))
@@ -283,11 +283,11 @@ def _assert_same_arrays(a, b):
         np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 
-@pytest.mark.parametrize("name", list(_OPTIMISERS))
-def test_an_optimiser_state_built_from_the_whole_model_works(getkey, name):
+@pytest.mark.parametrize("name", list(_OPTIMIZERS))
+def test_an_optimizer_state_built_from_the_whole_model_works(getkey, name):
     # It used to fail inside optax with a pytree structure error: the gradients held None
-    # where the optimiser state held the FP8 state, and the first step changed a static
-    # setting of every layer. It now trains exactly as an optimiser state built without
+    # where the optimizer state held the FP8 state, and the first step changed a static
+    # setting of every layer. It now trains exactly as an optimizer state built without
     # the FP8 state does, and the step compiles once (the first step is the same program).
     model = fp8ax.fp8_linear_layers(eqx.nn.MLP(8, 4, 16, 1, key=getkey()))
     x = jax.random.normal(getkey(), (32, 8))
@@ -296,23 +296,23 @@ def test_an_optimiser_state_built_from_the_whole_model_works(getkey, name):
     def loss(m):
         return jnp.mean((jax.vmap(m)(x) - y) ** 2)
 
-    whole, traces = _trained_with(model, loss, _OPTIMISERS[name](), model, 4)
+    whole, traces = _trained_with(model, loss, _OPTIMIZERS[name](), model, 4)
     assert traces == 1  # one program, the first step's included
     trainable = fp8ax.partition_for_grad_overwrite(model)[1]
-    want, _ = _trained_with(model, loss, _OPTIMISERS[name](), trainable, 4)
+    want, _ = _trained_with(model, loss, _OPTIMIZERS[name](), trainable, 4)
     _assert_same_arrays(whole, want)
     dg = whole.layers[0].dot_general
     assert dg.recipe == model.layers[0].dot_general.recipe
-    # The state was written, not moved by the optimiser: the newest amax is the input's.
+    # The state was written, not moved by the optimizer: the newest amax is the input's.
     assert float(dg.lhs.amax_history[0]) == float(jnp.max(jnp.abs(x)))
     assert float(jnp.max(jnp.abs(whole.layers[0].weight - model.layers[0].weight))) > 0
 
 
-@pytest.mark.parametrize("name", list(_OPTIMISERS))
+@pytest.mark.parametrize("name", list(_OPTIMIZERS))
 def test_skip_fp8_state_trains_the_same_with_no_moments_for_the_state(getkey, name):
     # `fp8ax.skip_fp8_state(opt)` gives the same parameters and FP8 state, bit for bit,
     # as `opt` with moments for the state (whose updates `apply_updates` ignores), and
-    # its optimiser state holds nothing of the size of an amax history.
+    # its optimizer state holds nothing of the size of an amax history.
     model = fp8ax.fp8_linear_layers(eqx.nn.MLP(8, 4, 16, 1, key=getkey()))
     x = jax.random.normal(getkey(), (32, 8))
     y = jax.random.normal(getkey(), (32, 4))
@@ -320,14 +320,14 @@ def test_skip_fp8_state_trains_the_same_with_no_moments_for_the_state(getkey, na
     def loss(m):
         return jnp.mean((jax.vmap(m)(x) - y) ** 2)
 
-    skipping = fp8ax.skip_fp8_state(_OPTIMISERS[name]())
+    skipping = fp8ax.skip_fp8_state(_OPTIMIZERS[name]())
     got, traces = _trained_with(model, loss, skipping, model, 4)
-    want, _ = _trained_with(model, loss, _OPTIMISERS[name](), model, 4)
+    want, _ = _trained_with(model, loss, _OPTIMIZERS[name](), model, 4)
     assert traces == 1
     _assert_same_arrays(got, want)
     with jax.numpy_dtype_promotion("standard"):
         state = skipping.init(eqx.filter(model, eqx.is_array))
-        full = _OPTIMISERS[name]().init(eqx.filter(model, eqx.is_array))
+        full = _OPTIMIZERS[name]().init(eqx.filter(model, eqx.is_array))
     stored = jax.tree.leaves(model.layers[0].dot_general.lhs)[0].shape  # (unit, scale, history)
     assert stored == (1024 + 2,)
     assert not any(jnp.shape(v) == stored for v in jax.tree.leaves(state))
@@ -338,13 +338,13 @@ def test_skip_fp8_state_trains_the_same_with_no_moments_for_the_state(getkey, na
         assert len(jax.tree.leaves(full)) - len(jax.tree.leaves(state)) == 2 * 3 * 2
 
 
-def test_skip_fp8_state_needs_an_optimiser():
+def test_skip_fp8_state_needs_an_optimizer():
     with pytest.raises(TypeError, match=r"`optimizer` must be an `optax.GradientTransformation`.*got function"):
         fp8ax.skip_fp8_state(optax.adam)
 
 
 @pytest.mark.needs_hax_dot
-def test_a_stacked_haliax_model_with_the_whole_model_in_the_optimiser(getkey):
+def test_a_stacked_haliax_model_with_the_whole_model_in_the_optimizer(getkey):
     # `params=model` for weight decay: the FP8 state gets no update from it.
     from helpers import Deep
 
@@ -388,7 +388,7 @@ def test_writing_the_state_changes_values_only(getkey):
         assert all(eqx.is_array(leaf) for leaf in jax.tree.leaves(fp8ax.Fp8DotGeneral.init(recipe)))
 
 
-# `eqx.apply_updates` on the raw gradient: the state goes through the optimiser.
+# `eqx.apply_updates` on the raw gradient: the state goes through the optimizer.
 
 
 def _eqx_flow(getkey, recipe=None):
@@ -424,7 +424,7 @@ def _assert_outputs_equal(a, b):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_raw_gradient_through_the_optimiser_calibrates_and_check_state_reports_it(getkey):
+def test_raw_gradient_through_the_optimizer_calibrates_and_check_state_reports_it(getkey):
     # The mistake (no `partition_for_grad_overwrite`: the state goes through Adam and is
     # added to) cannot raise inside a compiled step without a host callback, which would
     # keep JAX's persistent cache from storing the step. The step calibrates on the
@@ -686,8 +686,8 @@ def test_a_corrupt_ensemble_member_calibrates_alone_and_is_named(getkey):
         fp8ax.check_state(broken)
 
 
-def test_an_optimiser_that_keeps_state_for_the_fp8_state_is_named_once(getkey, monkeypatch):
-    # A bare optimiser with moments, built from the whole model, keeps them for the zeros
+def test_an_optimizer_that_keeps_state_for_the_fp8_state_is_named_once(getkey, monkeypatch):
+    # A bare optimizer with moments, built from the whole model, keeps them for the zeros
     # where the FP8 state is; `apply_updates` says so once per process, with the size
     # and the fix, while the step is traced. `skip_fp8_state`, a stateless update (optax's
     # SGD, or one written by hand) and no updates say nothing.

@@ -23,7 +23,7 @@ def calibrate(model: T, loss_fn: Callable[..., Any], batches: Iterable[Any]) -> 
     [`fp8ax.apply_updates`][]`(model, None, overwrite)`); the parameter gradients are
     discarded. Training does not need it (a fresh layer's first step calibrates on its
     own tensors, in the same program as every later step); it serves post-training
-    quantisation ([`fp8ax.to_serving`][] needs filled histories), and a first training
+    quantization ([`fp8ax.to_serving`][] needs filled histories), and a first training
     step that should already use delayed scales. Layers the batches did not reach keep
     their state.
 
@@ -63,7 +63,7 @@ def calibrate(model: T, loss_fn: Callable[..., Any], batches: Iterable[Any]) -> 
             "stateful recipe (`fp8ax.DelayedScaling`, the default) first."
         )
 
-    check_state(model)  # refuses a state that went through an optimiser
+    check_state(model)  # refuses a state that went through an optimizer
     grad_fn = eqx.filter_jit(eqx.filter_grad(loss_fn))
     n = 0
     for batch in batches:

@@ -9,14 +9,14 @@ from jaxtyping import Array, ArrayLike
 
 from ._boundaries import vma
 
-# The 8-bit floating-point formats fp8ax quantises to.
+# The 8-bit floating-point formats fp8ax quantizes to.
 FP8_DTYPES: tuple[np.dtype, ...] = tuple(
     np.dtype(t) for t in (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3fnuz, jnp.float8_e5m2fnuz)
 )
 
 
 def as_fp8_dtype(value, argname: str) -> np.dtype:
-    """Normalises an FP8 dtype argument, raising an error that names `argname`."""
+    """Normalizes an FP8 dtype argument, raising an error that names `argname`."""
     try:
         dtype = np.dtype(value)
     except TypeError:
@@ -67,7 +67,7 @@ SMALLEST_SCALE = np.float32(2.0**-126)
 
 
 def scale_from_amax(amax: ArrayLike, factor) -> Array:
-    """The dequantisation scale of an amax: `amax * factor` in float32, rounded once, and
+    """The dequantization scale of an amax: `amax * factor` in float32, rounded once, and
     at least `SMALLEST_SCALE` (for an amax below `SMALLEST_SCALE / factor`, about 5.3e-36
     for E4M3, the values then stay below the format's maximum instead of the tensor
     being flushed to zero). `factor` is `2**margin / (largest value of the format)`,
@@ -112,13 +112,13 @@ def select(pred: ArrayLike, on_true: ArrayLike, on_false: ArrayLike) -> Array:
 
 def computed_once(tree, *, fence: bool = True):
     """`tree`'s arrays, the same values (exactly), computed apart from what reads them:
-    behind an optimisation barrier, and on CPU each computed once into a buffer.
+    behind an optimization barrier, and on CPU each computed once into a buffer.
 
-    XLA:CPU drops optimisation barriers before it fuses, and then copies a chain of cheap
+    XLA:CPU drops optimization barriers before it fuses, and then copies a chain of cheap
     elementwise operations into every fusion that reads its result. A delayed scale is
     such a chain (some 20 to 40 scalar operations from the state to the scale), read by
-    the casts, the GEMMs' output scaling (fused into the optimiser's update) and the next
-    state: copied into each, it made up a third of a deep model's optimised program and
+    the casts, the GEMMs' output scaling (fused into the optimizer's update) and the next
+    state: copied into each, it made up a third of a deep model's optimized program and
     of its compile time. A reduction's result is not copied into its readers. So on CPU
     the float32 and bool arrays (the bools as 0 and 1) of the same manual axes go into
     one vector, which is reduced with `max` against the identity of `max`: one small
@@ -128,7 +128,7 @@ def computed_once(tree, *, fence: bool = True):
 
     The reduction is chosen per platform when the program is lowered
     (`lax.platform_dependent`, as `amax`): XLA:GPU does not copy such chains, and keeps
-    optimisation barriers through fusion. With `fence=False` there is no barrier (the
+    optimization barriers through fusion. With `fence=False` there is no barrier (the
     caller fences what it returns): a barrier on a delayed-scaling plan before it is
     split per operand split XLA:GPU's scalar kernels (the H100 compile of
     bench/state_cost.py's MLP block with `calibrate_first_call=False`: 50 kernels against
@@ -202,7 +202,7 @@ def amax(x: ArrayLike, axes: tuple[int, ...] | None = None, *, keepdims: bool = 
     (with `abs` fused in, and on CPU without the NaN-skipping kernel); the min is NaN
     exactly when some element is, and turns the amax into +inf then. Both results must
     be used, or XLA drops the min and takes the plain max again (a `select` of NaN to inf
-    before the max would cost, on CPU, one more pass over every quantised tensor).
+    before the max would cost, on CPU, one more pass over every quantized tensor).
 
     On CPU the reduction runs in two stages, over the last axis (each row) and then
     over the rows' results: XLA:CPU splits a reduction across cores only when

@@ -1,4 +1,4 @@
-"""AQT-style symmetric int8 quantisation (the GEMM is `_gemm.kernels`'s, with int32 accumulation)."""
+"""AQT-style symmetric int8 quantization (the GEMM is `_gemm.kernels`'s, with int32 accumulation)."""
 
 import operator
 
@@ -15,7 +15,7 @@ INT8_MAX = 127
 _TINY_AMAX = INT8_MAX * float(np.finfo(np.float32).tiny)
 
 
-def _normalise_axes(axes, ndim: int, argname: str) -> tuple[int, ...]:
+def _normalize_axes(axes, ndim: int, argname: str) -> tuple[int, ...]:
     """`axes` as non-negative ints, checked against `ndim` (errors name `argname`)."""
     try:
         axes = tuple(operator.index(a) for a in axes)
@@ -32,7 +32,7 @@ def _normalise_axes(axes, ndim: int, argname: str) -> tuple[int, ...]:
 
 
 def int8_quantize(x: ArrayLike, contracting_axes: tuple[int, ...]) -> tuple[Array, Array]:
-    """Symmetric per-slice int8 quantisation, as AQT's simplest int8 configuration.
+    """Symmetric per-slice int8 quantization, as AQT's simplest int8 configuration.
 
     **Arguments:**
 
@@ -46,21 +46,21 @@ def int8_quantize(x: ArrayLike, contracting_axes: tuple[int, ...]) -> tuple[Arra
 
     `(values, scale)`: `values` is int8 with `x`'s shape, in `[-127, 127]`; `scale` is
     float32 with `x`'s rank and size 1 along `contracting_axes` (keepdims), the
-    *dequantisation* scale, so that `values * scale ~ x`.
+    *dequantization* scale, so that `values * scale ~ x`.
 
     With `amax = max |x|` over `contracting_axes`, `scale = amax * float32(1 / 127)`
     (rounded once, at least the smallest normal float32) and
-    `values = clip(round_half_to_even(x * (127 / amax)), -127, 127)`. Quantising by
+    `values = clip(round_half_to_even(x * (127 / amax)), -127, 127)`. Quantizing by
     multiplying with `127 / amax` (not dividing by `scale`) is what AQT does: the
     integer values are bit-for-bit AQT's (the two can differ by one at rounding ties).
     A slice whose amax is zero (or below `127 * float32 tiny`, ~1.5e-36) gets
     `scale = 1` and values 0. int8 has no NaN or inf: a slice containing one gets values
-    0 and an infinite scale, so it dequantises (and its GEMM rows come out) as NaN.
+    0 and an infinite scale, so it dequantizes (and its GEMM rows come out) as NaN.
     """
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"`x` must be a floating-point array, got dtype {x.dtype}.")
-    axes = _normalise_axes(contracting_axes, x.ndim, "contracting_axes")
+    axes = _normalize_axes(contracting_axes, x.ndim, "contracting_axes")
     xf = x.astype(jnp.float32)
     amax = _formats.amax(xf, axes, keepdims=True)  # inf where a NaN or inf is reduced
     nonzero = amax >= jnp.float32(_TINY_AMAX)

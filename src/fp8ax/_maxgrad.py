@@ -17,7 +17,7 @@
 # each call would sum again across calls. `_state.ScalingState` therefore converts when
 # it is unflattened from traced leaves, which is where `jax.grad`/`eqx.filter_grad`
 # rebuild the model, i.e. once, above every use. Its pytree leaves are always float32, so
-# `eqx.filter_grad`, optimisers, serialisation and users only ever see float32.
+# `eqx.filter_grad`, optimizers, serialisation and users only ever see float32.
 #
 # Three JAX gaps are bridged here, all covered by tests:
 # - the builtin transpose of an extended-dtype conversion reads `.dtype` from an

@@ -1,4 +1,4 @@
-"""OCP Microscaling (MX v1.0) block quantisation.
+"""OCP Microscaling (MX v1.0) block quantization.
 
 A tensor is cut into blocks of `block_size` consecutive elements along one axis. Each
 block shares one power-of-two scale `X = 2**e`, stored as E8M0 (an 8-bit biased exponent,
@@ -150,7 +150,7 @@ def _split_f32(mag: Array) -> tuple[Array, Array]:
     """Exponent and significand of non-negative finite float32 bit patterns (int32).
 
     Returns `(exp, sig)` with `value == sig * 2**(exp - 23)` and `sig` in [2**23, 2**24)
-    for every non-zero value, subnormals included (they are normalised by counting leading
+    for every non-zero value, subnormals included (they are normalized by counting leading
     zeros). Zero gives meaningless values, which callers mask.
     """
     field = mag >> 23
@@ -209,7 +209,7 @@ def mx_quantize(
     block_size: int = 32,
     scale_rule: Literal["floor", "ceil"] = "floor",
 ) -> tuple[Array, Array]:
-    """Quantises `x` to an MX format: per-block E8M0 scales and narrow elements.
+    """Quantizes `x` to an MX format: per-block E8M0 scales and narrow elements.
 
     Blocks are `block_size` consecutive elements along `axis`. If the length `n` of that
     axis is not a multiple of `block_size`, the last block is zero-padded for computing its
@@ -237,11 +237,11 @@ def mx_quantize(
 
     - amax 0 (all zeros): scale `2**-127`, the smallest E8M0 value; elements zero.
     - any NaN or +-inf in the block: the scale is E8M0's NaN (`0xFF`), so the whole block
-      dequantises to NaN, as the spec defines a NaN scale. An infinite input is treated
+      dequantizes to NaN, as the spec defines a NaN scale. An infinite input is treated
       like NaN because the spec's E8M0 has no infinity and no finite scale can represent
       it. The elements of such a block are NaN for E4M3 and E5M2, and zero for the types
       without a NaN encoding (E2M3, E3M2, E2M1, INT8); either way the NaN scale makes them
-      NaN when dequantised.
+      NaN when dequantized.
 
     The computation is done on `x` cast to float32 (exact for bfloat16 and float16 input;
     float64 input is rounded to float32 first, values beyond float32's range becoming

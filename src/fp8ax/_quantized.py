@@ -1,4 +1,4 @@
-# The one quantised value of fp8ax: low-precision values and a scale of the operand's rank
+# The one quantized value of fp8ax: low-precision values and a scale of the operand's rank
 # (or a scalar), laid out by tiles. Everything a GEMM, serving, stats or a test needs to
 # know about the layout is derived here from the shapes and the tile, so a new recipe
 # adds no layout of its own.
@@ -46,8 +46,8 @@ class QuantizedArray(eqx.Module):
     """A low-precision array and its scale(s): `x ≈ values * scale`, the scale expanded
     over tiles.
 
-    - `values`: the quantised values (FP8, FP6, FP4 or int8).
-    - `scale`: the dequantisation scale: a scalar (one per tensor), or an array of
+    - `values`: the quantized values (FP8, FP6, FP4 or int8).
+    - `scale`: the dequantization scale: a scalar (one per tensor), or an array of
       `values`' rank. Without a `tile`, it broadcasts against `values` (size 1 or the
       full size along each axis: tensor-wise and row-wise scales). With a `tile`, entry
       `i` along axis `d` covers elements `i * tile[d]` to `(i + 1) * tile[d]` (the last

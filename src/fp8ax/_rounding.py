@@ -1,4 +1,4 @@
-"""Unbiased stochastic rounding to FP8 and int8 (used for gradient quantisation)."""
+"""Unbiased stochastic rounding to FP8 and int8 (used for gradient quantization)."""
 
 import jax
 import jax.numpy as jnp
@@ -69,7 +69,7 @@ def stochastic_round(x: ArrayLike, dtype, key: PRNGKeyArray) -> Array:
     `E[result] == x`. Representable values are returned exactly. Finite magnitudes beyond
     the format's maximum saturate to `+-max` (never inf). NaN stays NaN and `+-inf`
     stays non-finite: the format's inf (E5M2) or NaN (the formats without inf). (The
-    recipes' quantisation turns every non-finite value into NaN before it rounds.)
+    recipes' quantization turns every non-finite value into NaN before it rounds.)
     `jnp.int8` has no NaN or inf: there `+-inf` saturates to `+-127` and NaN becomes 0.
 
     **Method:**
@@ -84,7 +84,7 @@ def stochastic_round(x: ArrayLike, dtype, key: PRNGKeyArray) -> Array:
     at least `2**-9` times the smallest positive value of the format (for larger values
     `p` has at most 23 fractional bits); smaller values round up with a probability
     that is too large by less than `2**-32`, i.e. an absolute bias below
-    `2**-32 * smallest_subnormal`. (A float32 `jax.random.uniform` would quantise the
+    `2**-32 * smallest_subnormal`. (A float32 `jax.random.uniform` would quantize the
     probability to `2**-23`; the integer comparison avoids that.) Note that XLA may
     flush float32 subnormal inputs (`|x| < 2**-126`) to zero.
     """

@@ -221,8 +221,8 @@ class ScalingState(AbstractState):
     One array per operand keeps a converted layer at three state leaves and each step's
     state update at one kernel per operand (docs/state.md, "What the state costs").
 
-    - `scale` (a property): the *dequantisation* scale, shape `()` (or `(*batch,)`): a
-      tensor `x` is quantised as `x / scale` and recovered as `q * scale` (the
+    - `scale` (a property): the *dequantization* scale, shape `()` (or `(*batch,)`): a
+      tensor `x` is quantized as `x / scale` and recovered as `q * scale` (the
       Flax/Haliax convention; TransformerEngine's `scale_inv`).
     - `amax_history` (a property): shape `(history_length,)` (or
       `(*batch, history_length)`), the newest amax at index 0. An entry of 0 means
@@ -250,7 +250,7 @@ class ScalingState(AbstractState):
     def __init__(self, scale: Any, amax_history: Any, unit: Any = 1.0):
         """**Arguments:**
 
-        - `scale`: the dequantisation scale, float32 of shape `batch_shape`.
+        - `scale`: the dequantization scale, float32 of shape `batch_shape`.
         - `amax_history`: float32 of shape `(*batch_shape, history_length)`.
         - `unit`: what `scale` and `amax_history` are multiples of (1, the unit fp8ax
           writes, by default; see above).
@@ -276,7 +276,7 @@ class ScalingState(AbstractState):
 
     @property
     def scale(self) -> Any:
-        """The dequantisation scale this state stands for (the stored scale / `unit`)."""
+        """The dequantization scale this state stands for (the stored scale / `unit`)."""
         return self._read()[0]
 
     @property
@@ -370,7 +370,7 @@ def through_unit(inv: Any, x: Any, fresh: float) -> Any:
     """What a stored value `x` stands for (see `ScalingState`): `x` times `inv`
     (`unit_inverse` of its unit, broadcast against it), `fresh` where the unit is 0 (an
     all-zero state reads as a fresh one). A unit of 1 reads exactly; a negative or NaN
-    one (the state went through an optimiser) gives a value the state's checks find
+    one (the state went through an optimizer) gives a value the state's checks find
     corrupt."""
     if _numpy(inv, x):
         inv, x = np.asarray(inv, np.float32), np.asarray(x, np.float32)
@@ -510,10 +510,10 @@ def _short(x) -> str:
 # Raised wherever a state's values are read and found negative or non-finite.
 CORRUPT_STATE = (
     "fp8ax: an FP8 scaling state (scale, amax history) holds negative or non-finite values: "
-    "it went through an optimiser as if it were a gradient and was added to by "
+    "it went through an optimizer as if it were a gradient and was added to by "
     "`eqx.apply_updates`. The gradient of an FP8 layer's state is its new value, which "
     "must replace the old one: split it off with "
-    "`overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)`, give the optimiser "
+    "`overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)`, give the optimizer "
     "`grads`, and apply both with `model = fp8ax.apply_updates(model, updates, overwrite)`."
 )
 

@@ -47,7 +47,7 @@ class EmulatedAccumulation(eqx.Module):
     [`fp8ax.GemmSettings`][]'s `accumulation` argument: limited-precision partial sums,
     promoted to float32 every `promote_every` elements of the contraction.
 
-    With it, every GEMM of the layer whose two operands are quantised to a floating-point
+    With it, every GEMM of the layer whose two operands are quantized to a floating-point
     format (forward and both backward GEMMs) computes what the hardware's accumulator
     would, on any backend: a CPU run shows the error the GPU kernel makes. It is an
     analysis tool and slow (it materialises every product). GEMMs with an operand in high

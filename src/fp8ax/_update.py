@@ -13,7 +13,7 @@ T = TypeVar("T")
 
 
 class OptimizerStateWarning(UserWarning):
-    """The optimiser keeps state for the FP8 state: it was built from the whole model
+    """The optimizer keeps state for the FP8 state: it was built from the whole model
     without [`fp8ax.skip_fp8_state`][], so it keeps moments for the FP8 state (Adam,
     momentum, ...) and updates them every step, for nothing. Raised once per process,
     while [`fp8ax.apply_updates`][] is traced (or first called). A stateless update
@@ -24,13 +24,13 @@ _WARNED_OPTIMIZER: list[bool] = []  # (once per process)
 
 
 def _warn_optimizer(arrays: list) -> None:
-    """`arrays`: the optimiser's updates of FP8 state seen by one `apply_updates`."""
+    """`arrays`: the optimizer's updates of FP8 state seen by one `apply_updates`."""
     if _WARNED_OPTIMIZER or not arrays:
         return
     _WARNED_OPTIMIZER.append(True)
     size = sum(int(np.size(v)) * 4 for v in arrays)
     warnings.warn(
-        f"fp8ax: the optimiser keeps state for the FP8 state ({len(arrays)} arrays, {size:,} bytes each time): it "
+        f"fp8ax: the optimizer keeps state for the FP8 state ({len(arrays)} arrays, {size:,} bytes each time): it "
         "was built from the whole model (`opt.init(eqx.filter(model, eqx.is_array))`), so it keeps moments for "
         "the state's zero gradients (Adam: two copies) and updates them every step, about two small kernels per "
         "state array, for updates `fp8ax.apply_updates` ignores: a cost GPUs feel most in small and medium "
@@ -55,12 +55,12 @@ def partition_for_grad_overwrite(tree: T) -> tuple[T, T]:
     [`fp8ax.OverwriteWithGradient`][] modules (the new FP8 state) and `None` elsewhere;
     `rest` holds everything else (the ordinary gradients) and, in place of each FP8
     module, the same module filled with zeros: the FP8 state is not trained, so its
-    gradient is zero. Give `rest` to the optimiser and `overwrite` to
-    [`fp8ax.apply_updates`][], which ignores whatever the optimiser makes of those zeros.
+    gradient is zero. Give `rest` to the optimizer and `overwrite` to
+    [`fp8ax.apply_updates`][], which ignores whatever the optimizer makes of those zeros.
 
     `rest` has the structure of the model's arrays (`eqx.filter(model, eqx.is_array)`),
-    so an optimiser state built from the whole model, as Equinox's examples build it,
-    matches it on every step. Wrap the optimiser in [`fp8ax.skip_fp8_state`][], so that
+    so an optimizer state built from the whole model, as Equinox's examples build it,
+    matches it on every step. Wrap the optimizer in [`fp8ax.skip_fp8_state`][], so that
     it keeps no moments for the FP8 state and spends no kernels on those zeros:
 
     !!! Example
@@ -75,7 +75,7 @@ def partition_for_grad_overwrite(tree: T) -> tuple[T, T]:
         model = fp8ax.apply_updates(model, updates, overwrite)
         ```
 
-    Without the wrapper, the optimiser keeps moments for the FP8 state, all zero, and
+    Without the wrapper, the optimizer keeps moments for the FP8 state, all zero, and
     updates them every step; [`fp8ax.apply_updates`][] then warns once
     ([`fp8ax.OptimizerStateWarning`][]).
     """
@@ -88,20 +88,20 @@ def _untrained(module):
     """The zero gradient of an FP8 module's state: its arrays as zeros (and None for
     anything that is not an array, as `eqx.filter_grad` gives). NumPy zeros, constants
     of the program: what a stateless update makes of them (`-lr * g`) stays NumPy, while
-    an optimiser that keeps moments for the state gives JAX arrays, which is how
+    an optimizer that keeps moments for the state gives JAX arrays, which is how
     `apply_updates` tells the two apart (`OptimizerStateWarning`)."""
     return jtu.tree_map(lambda v: np.zeros(np.shape(v), v.dtype) if eqx.is_array(v) else None, module)
 
 
 def apply_updates(model: T, updates: T | None, overwrite: T | None) -> T:
-    """Applies optimiser updates to the parameters and writes the new FP8 state.
+    """Applies optimizer updates to the parameters and writes the new FP8 state.
 
     A `jax.tree_util.tree_map`-broadcasted version of
 
     ```python
     if overwrite is not None:   # an FP8 module: its "gradient" is its new state
         return old_state_where_unused(model, overwrite)
-    if is_fp8_module(model):    # the optimiser's update of its zero gradient
+    if is_fp8_module(model):    # the optimizer's update of its zero gradient
         return model
     if update is None:
         return model
@@ -116,12 +116,12 @@ def apply_updates(model: T, updates: T | None, overwrite: T | None) -> T:
     [`fp8ax.DelayedScaling`][]'s `calibrate_first_call`): writing the state changes
     array values only, never the pytree's structure or the type of a leaf, so a jitted
     step compiles once, a training loop can run inside `lax.scan` with the model in the
-    carry, and an optimiser state built from the whole model stays valid.
+    carry, and an optimizer state built from the whole model stays valid.
 
     **Arguments:**
 
     - `model`: the model being trained.
-    - `updates`: the optimiser's updates for the ordinary parameters (the second output of
+    - `updates`: the optimizer's updates for the ordinary parameters (the second output of
       [`fp8ax.partition_for_grad_overwrite`][] after `opt.update`), or `None` to write
       the FP8 state only. What it holds for the FP8 state is ignored.
     - `overwrite`: the first output of [`fp8ax.partition_for_grad_overwrite`][]; `None`
@@ -144,7 +144,7 @@ def apply_updates(model: T, updates: T | None, overwrite: T | None) -> T:
             raise ValueError(
                 f"`overwrite` is None, but the model has FP8 layers ({', '.join(fp8[:3])}"
                 f"{', ...' if len(fp8) > 3 else ''}) whose new state it must carry. Pass the first output of "
-                "`overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)` (and give `grads` to the optimiser). "
+                "`overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)` (and give `grads` to the optimizer). "
                 "A model without FP8 layers can use `eqx.apply_updates`."
             )
         overwrite = jtu.tree_map(lambda _: None, model)
@@ -153,12 +153,12 @@ def apply_updates(model: T, updates: T | None, overwrite: T | None) -> T:
 
     def _apply(path, m, u, o):
         if is_owg(m):
-            # `u` is what the optimiser made of the state's zero gradient (zero, or weight
+            # `u` is what the optimizer made of the state's zero gradient (zero, or weight
             # decay): the state is written by `overwrite` alone.
             if u is not None:
                 # JAX arrays where `partition_for_grad_overwrite` put NumPy zeros: an
-                # optimiser computed them from its own state (see `_untrained`).
-                optimised.extend(v for v in jtu.tree_leaves(u) if isinstance(v, jax.Array))
+                # optimizer computed them from its own state (see `_untrained`).
+                optimized.extend(v for v in jtu.tree_leaves(u) if isinstance(v, jax.Array))
             if o is None:
                 return m
             # (Through the class: an Equinox module's bound method flattens the module.)
@@ -180,9 +180,9 @@ def apply_updates(model: T, updates: T | None, overwrite: T | None) -> T:
     def is_leaf(x):
         return x is None or is_owg(x)
 
-    optimised: list = []
+    optimized: list = []
     out = jtu.tree_map_with_path(_apply, model, updates, overwrite, is_leaf=is_leaf)
-    _warn_optimizer(optimised)
+    _warn_optimizer(optimized)
     return out
 
 
@@ -209,7 +209,7 @@ def check_state(model, *, written: bool = False) -> None:
     **Raises:**
 
     `ValueError`, naming the layers and the cause, if a state holds values no fp8ax
-    update writes (negative, NaN or inf: it went through an optimiser), or with
+    update writes (negative, NaN or inf: it went through an optimizer), or with
     `written=True` if a state is empty. `TypeError` if `model` holds no FP8 layer with
     state.
 
@@ -266,12 +266,12 @@ def _listed(names: list[str]) -> str:
 def skip_fp8_state(optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
     """`optimizer`, keeping no state for the FP8 state of a converted model.
 
-    An optimiser built from the whole model (`opt.init(eqx.filter(model, eqx.is_array))`)
+    An optimizer built from the whole model (`opt.init(eqx.filter(model, eqx.is_array))`)
     keeps moments for every FP8 state array, all zero, and updates them on every step:
     with Adam two elementwise kernels per state array, six per FP8 layer,
     each too small to keep a GPU busy (on an H200 the decoder layer of docs/gpu.md spent
-    about 3.5 ms more per step idle than Haliax's FP8, whose optimiser never sees the
-    state). The wrapped optimiser takes the same arguments and returns updates of the same
+    about 3.5 ms more per step idle than Haliax's FP8, whose optimizer never sees the
+    state). The wrapped optimizer takes the same arguments and returns updates of the same
     structure, but hands `optimizer` only the ordinary parameters: the FP8 modules get no
     moments, and `None` as their update (which [`fp8ax.apply_updates`][] ignores, as it
     ignores any update of the FP8 state).

@@ -1,9 +1,9 @@
-"""The GEMMs on quantised operands, and their custom VJPs.
+"""The GEMMs on quantized operands, and their custom VJPs.
 
 - `settings`: `GemmSettings` (mode, precisions, per-operand recipes, high-precision
   GEMMs) and the keyword arguments the ops take;
 - `dims`: dimension numbers, the backward GEMMs' layout, scales put back on a result;
-- `operands`: quantising a call's operands with their recipes, plans and state;
+- `operands`: quantizing a call's operands with their recipes, plans and state;
 - `kernels`: the GEMM itself (FP8/int8, block-scaled, per-chunk, emulated), shared by
   the dense, grouped and serving paths;
 - `dense`: the custom VJP of a `dot_general` (`quantized_dot`);
@@ -25,14 +25,14 @@ from .dims import (
 from .grouped import (
     RaggedCall as RaggedCall,
     group_ids as group_ids,
-    quantise_tokens as quantise_tokens,
-    quantise_weights as quantise_weights,
+    quantize_tokens as quantize_tokens,
+    quantize_weights as quantize_weights,
     ragged_gemm as ragged_gemm,
     ragged_out_dtype as ragged_out_dtype,
     ragged_quantized_dot as ragged_quantized_dot,
 )
 from .kernels import run_gemm as run_gemm
-from .operands import ROLES as ROLES, Call as Call, quantise as quantise
+from .operands import ROLES as ROLES, Call as Call, quantize as quantize
 from .settings import (
     GEMM_KEYWORDS as GEMM_KEYWORDS,
     SETTINGS_FIELDS as SETTINGS_FIELDS,
@@ -40,6 +40,6 @@ from .settings import (
     GemmSettings as GemmSettings,
     Mode as Mode,
     SettingsView as SettingsView,
-    quantising_recipe as quantising_recipe,
+    quantizing_recipe as quantizing_recipe,
     settings_from as settings_from,
 )

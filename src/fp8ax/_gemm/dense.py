@@ -1,8 +1,8 @@
-# The one GEMM pipeline of fp8ax: quantise, then GEMM, for every recipe.
+# The one GEMM pipeline of fp8ax: quantize, then GEMM, for every recipe.
 #
-# A call quantises each operand for its role (lhs, rhs: the recipe's forward format;
+# A call quantizes each operand for its role (lhs, rhs: the recipe's forward format;
 # grad: its gradient format) along the axes its GEMM contracts, into a `QuantizedArray`,
-# and runs the GEMM on the quantised values. One custom VJP computes the forward GEMM and
+# and runs the GEMM on the quantized values. One custom VJP computes the forward GEMM and
 # both backward GEMMs that way. A stateful recipe (delayed scaling) reads each operand's
 # state and returns the new one; the new state leaves as the "gradient" of the state
 # (see `_maxgrad.py` for how several uses of a layer are merged). For stateless recipes
@@ -10,9 +10,9 @@
 #
 # What is reused: an operand whose scale is tensor-wise (delayed and tensor-wise current
 # scaling, round to nearest) does not depend on the axes a GEMM contracts, so it is
-# quantised once, in the forward pass, and the backward GEMMs use that FP8 copy (it is
+# quantized once, in the forward pass, and the backward GEMMs use that FP8 copy (it is
 # also the smaller residual). Row-wise and MX scales depend on the contracting axes, so
-# each backward GEMM quantises its operands again along its own axes (as
+# each backward GEMM quantizes its operands again along its own axes (as
 # TransformerEngine and torchao do), from the high-precision residual.
 
 import functools
@@ -42,20 +42,20 @@ from .operands import (
     _lay_out_by_axis_mapping,
     _planned_scales,
     _plans,
-    _quantise_together,
+    _quantize_together,
     _reusable,
     _states,
-    quantise,
+    quantize,
     reduce_to,
 )
 from .passes import once_per_signature, state_in, state_out
 from .residuals import keep, kept
-from .settings import Role, quantising_recipe
+from .settings import Role, quantizing_recipe
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def quantized_dot(call: Call, lhs, rhs, *state) -> Array:
-    """`dot_general(lhs, rhs, call.dims)` computed on quantised operands; `state` holds the
+    """`dot_general(lhs, rhs, call.dims)` computed on quantized operands; `state` holds the
     raw arrays of the lhs, rhs and grad states of a stateful recipe, one after the other
     (each in its `fields` order: `(lhs scale, lhs history, rhs ..., grad ...)` for delayed
     scaling), and is empty otherwise. The VJP returns the new state as the state's cotangent."""
@@ -74,13 +74,13 @@ def _forward(call: Call, lhs, rhs, *raw):
     (lc, rc), _ = call.dims
     ql = qr = new_l = new_r = None
     if "fwd" not in st.high_precision_gemms:
-        (ql, new_l), (qr, new_r) = _quantise_together(
+        (ql, new_l), (qr, new_r) = _quantize_together(
             call,
             [("lhs", lhs, lc, states["lhs"], None, plans["lhs"]), ("rhs", rhs, rc, states["rhs"], None, plans["rhs"])],
         )
         if qr is not None and states["rhs"] is not None and st.fp8_all_gather_axes is not None:
             qr = qr.with_values(_lay_out_by_axis_mapping(qr.values, st.fp8_all_gather_axes))
-    # A GEMM's precomputed output scale serves only operands quantised with the planned
+    # A GEMM's precomputed output scale serves only operands quantized with the planned
     # scales (the very arrays the plan holds).
     planned = _planned_scales(call, plans)
 
@@ -89,7 +89,7 @@ def _forward(call: Call, lhs, rhs, *raw):
 
     fwd_scale = products.get("fwd") if is_planned(ql, "lhs") and is_planned(qr, "rhs") else None
     out = run_gemm(call, ql, lhs, qr, rhs, call.dims, call.fwd_precision, call.out_dtype, fwd_scale)
-    # Keep the quantised operand for the backward pass where it serves as it is (tensor
+    # Keep the quantized operand for the backward pass where it serves as it is (tensor
     # scale, GEMM not in high precision); otherwise the operand itself.
     res_l = ql if _reusable(call, "lhs", ql) and "drhs" not in st.high_precision_gemms else lhs
     res_r = qr if _reusable(call, "rhs", qr) and "dlhs" not in st.high_precision_gemms else rhs
@@ -123,15 +123,15 @@ def _backward(call: Call, residuals, g):
     grad_recipe = st.operand_recipe("grad")
 
     keys = _gradient_keys(grad_recipe, g)
-    # A tensor-wise, round-to-nearest gradient is quantised once for both GEMMs (and a
+    # A tensor-wise, round-to-nearest gradient is quantized once for both GEMMs (and a
     # stateful recipe observes it once).
     shared_g, new_g = None, None
     if _grad_once(call):
-        shared_g, new_g = quantise(call, "grad", g, lay.g_rfree, g_state, plan=g_plan)
+        shared_g, new_g = quantize(call, "grad", g, lay.g_rfree, g_state, plan=g_plan)
     g_planned = (
         g_plan is not None
         and shared_g is not None
-        and (shared_g.scale is quantising_recipe(st, "grad").planned_scale(g_plan))
+        and (shared_g.scale is quantizing_recipe(st, "grad").planned_scale(g_plan))
     )
     if not g_planned:
         dlhs_scale = drhs_scale = None
@@ -140,7 +140,7 @@ def _backward(call: Call, residuals, g):
     if "dlhs" in hp:
         (qg1, g1), (qr1, r1) = (None, g), (None, res_r)
     else:
-        qg1, g1 = (shared_g, g) if shared_g is not None else (quantise(call, "grad", g, lay.g_rfree, key=keys[0])[0], g)
+        qg1, g1 = (shared_g, g) if shared_g is not None else (quantize(call, "grad", g, lay.g_rfree, key=keys[0])[0], g)
         qr1, r1 = _operand(call, "rhs", res_r, lay.r_free)
     dlhs_scale = dlhs_scale if (qg1 is shared_g and qr1 is res_r) else None
     dlhs = oriented_gemm(
@@ -159,7 +159,7 @@ def _backward(call: Call, residuals, g):
     drhs = reduce_to(sharded_like(drhs, res_r), call.rhs_vma, lax.psum)
     if not call.state_is_max:
         return dlhs, drhs
-    # With state, each operand was quantised with its state (the gradient once, shared by
+    # With state, each operand was quantized with its state (the gradient once, shared by
     # both GEMMs), so all three new states are set.
     new_states = cast(tuple[tuple, tuple, tuple], (new_l, new_r, new_g))
     new = [v for pair in new_states for v in pair]
@@ -167,10 +167,10 @@ def _backward(call: Call, residuals, g):
 
 
 def _operand(call: Call, role: Role, res, axes, key=None):
-    """A backward GEMM's operand: the forward's FP8 copy, or quantised along `axes`."""
+    """A backward GEMM's operand: the forward's FP8 copy, or quantized along `axes`."""
     if isinstance(res, QuantizedArray):
         return res, res.values
-    return quantise(call, role, res, axes, key=key)[0], res
+    return quantize(call, role, res, axes, key=key)[0], res
 
 
 def _gemm_fn(call: Call, qa, a, qb, b, precision, out_dtype, scale=None):
@@ -191,7 +191,7 @@ def _gemm_fn(call: Call, qa, a, qb, b, precision, out_dtype, scale=None):
 
 def _drhs(call: Call, res_l, res_r, g, shared_g, scale, key):
     """d rhs = lhs . g, contracting lhs's free dims with g's lhs-free dims. (`res_r` only
-    gives the layout; `shared_g` is the gradient quantised once for both GEMMs, if it is;
+    gives the layout; `shared_g` is the gradient quantized once for both GEMMs, if it is;
     `scale` the GEMM's output scale, if it was planned.)"""
     st = call.settings
     (_, _), (lb, _) = call.dims
@@ -201,7 +201,7 @@ def _drhs(call: Call, res_l, res_r, g, shared_g, scale, key):
     else:
         res_l, g = _rotated_for_drhs(call, res_l, g, shared_g, lay.l_free, lay.g_lfree)
         ql, lhs = _operand(call, "lhs", res_l, lay.l_free)
-        qg, g2 = (shared_g, g) if shared_g is not None else (quantise(call, "grad", g, lay.g_lfree, key=key)[0], g)
+        qg, g2 = (shared_g, g) if shared_g is not None else (quantize(call, "grad", g, lay.g_lfree, key=key)[0], g)
     scale = scale if (ql is res_l and shared_g is not None and qg is shared_g) else None
     return oriented_gemm(
         _gemm_fn(call, ql, lhs, qg, g2, st.drhs_precision, call.rhs_dtype, scale),
@@ -229,7 +229,7 @@ def _rotate(x, axes, rotation):
 
 def _rotated_for_drhs(call: Call, res_l, g, shared_g, l_axes, g_axes):
     """The weight gradient's operands, rotated along their contraction if the recipe asks
-    for it (`weight_gradient_rotation`) and both are quantised here from high precision
+    for it (`weight_gradient_rotation`) and both are quantized here from high precision
     by the same recipe, with a contraction a multiple of the rotation's size long."""
     st = call.settings
     recipe = st.operand_recipe("lhs")
@@ -253,9 +253,9 @@ def _batchable_drhs(call: Call):
     `jax.vmap` of a custom VJP vmaps its backward pass. For a per-example layer (inputs
     mapped, weight and state not: `jax.vmap(eqx.nn.Linear(...))`) that computes one
     weight gradient per example, an outer product each, and sums them: B GEMMs of rank 1
-    instead of one. When the lhs and the gradient are quantised with scales the examples
+    instead of one. When the lhs and the gradient are quantized with scales the examples
     share (they come from the state, or the operand stays in high precision), the mapped
-    axis is one more free axis of the lhs, so the rule folds it in: the same quantised
+    axis is one more free axis of the lhs, so the rule folds it in: the same quantized
     values, one GEMM that also contracts over the examples. Otherwise (per-example
     scales: current scaling, MX, int8) it vmaps, as JAX would, and warns once. The input
     gradient needs no rule: `vmap` of `g . rhs` with an unmapped `rhs` is one GEMM already.
@@ -293,7 +293,7 @@ def _batchable_drhs(call: Call):
 
 
 def _shared_lhs(call: Call, res_l, l_b) -> bool:
-    """Whether the weight gradient quantises the lhs with a scale the examples share."""
+    """Whether the weight gradient quantizes the lhs with a scale the examples share."""
     if call.settings.operand_recipe("lhs") is None or "drhs" in call.settings.high_precision_gemms:
         return True
     return isinstance(res_l, QuantizedArray) and not l_b.scale  # the forward's FP8 copy
@@ -317,7 +317,7 @@ def _warn_per_example(call: Call):
     names = sorted({type(call.settings.operand_recipe(r)).__name__ for r in ROLES} - {"NoneType"})
     warnings.warn(
         f"fp8ax: a layer with per-example scales ({', '.join(names)}) is called per example under "
-        "`jax.vmap`, so each example is quantised with its own scale, and its weight gradient "
+        "`jax.vmap`, so each example is quantized with its own scale, and its weight gradient "
         "is one GEMM per example (an outer product each), summed: much slower than one GEMM. "
         "Call the layer on the whole batch, or use a recipe whose scales the examples share "
         "(`fp8ax.DelayedScaling`, the default), which fp8ax runs as one batched GEMM. "

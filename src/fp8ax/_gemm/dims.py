@@ -16,7 +16,7 @@ DimensionNumbers = tuple[tuple[Sequence[int], Sequence[int]], tuple[Sequence[int
 
 
 def check_dimension_numbers(dimension_numbers, lhs_shape, rhs_shape):
-    """`dimension_numbers` normalised to non-negative ints; errors name the argument."""
+    """`dimension_numbers` normalized to non-negative ints; errors name the argument."""
     try:
         (lc, rc), (lb, rb) = dimension_numbers
         lc, rc, lb, rb = (tuple(int(d) for d in ds) for ds in (lc, rc, lb, rb))

@@ -1,4 +1,4 @@
-# Grouped GEMMs (mixture-of-experts) on quantised operands: `jax.lax.ragged_dot` with
+# Grouped GEMMs (mixture-of-experts) on quantized operands: `jax.lax.ragged_dot` with
 # fp8ax's pipeline semantics.
 #
 # A grouped GEMM multiplies consecutive groups of rows of `lhs` (M, K), the tokens routed
@@ -7,15 +7,15 @@
 # (M, N) against the transposed expert weights -> (M, K); and the weight gradient, which
 # contracts the tokens of each group: (M, K) x (M, N) -> (G, K, N).
 #
-# Each operand is quantised by the layer's recipe, along the axes its GEMM contracts, as
+# Each operand is quantized by the layer's recipe, along the axes its GEMM contracts, as
 # in `dense.py` (the same `quantize_operands`, plans, state and max-merged state
-# cotangents), so every recipe works here. The expert weights are quantised either as one
+# cotangents), so every recipe works here. The expert weights are quantized either as one
 # tensor, or per expert (`per_expert_weights`: each expert's weight is a tensor of its
 # own, with a state of its own, by `vmap` of the recipe over the experts). Where both
 # operands' scales are constant along the contraction (tensor, per-expert and row scales),
 # the ragged dot runs on the low-precision values with float32 accumulation and the
 # result is multiplied by the scales, gathered per row for the group-dependent ones;
-# otherwise (MX and other block scales, `"qdq"` mode) the operands are dequantised and
+# otherwise (MX and other block scales, `"qdq"` mode) the operands are dequantized and
 # the ragged dot runs in float32.
 
 from __future__ import annotations
@@ -45,15 +45,15 @@ from .operands import (
     _operand_for,
     _plainly_scaled,
     _plans,
-    _quantise_together,
+    _quantize_together,
     _reusable,
     _states,
-    quantise,
+    quantize,
     reduce_to,
 )
 from .passes import once_per_signature, state_in, state_out
 from .residuals import keep, kept
-from .settings import Role, quantising_recipe
+from .settings import Role, quantizing_recipe
 
 # The three ragged dots, as `jax.lax.RaggedDotDimensionNumbers`.
 _RAGGED_DIMS = {
@@ -72,7 +72,7 @@ class RaggedCall(NamedTuple):
     """The static part of one grouped-GEMM call."""
 
     call: Call  # settings, out dtype, precision, state layout, as for a dense call
-    per_expert: bool  # the weights are quantised per expert, with per-expert state
+    per_expert: bool  # the weights are quantized per expert, with per-expert state
     per_group: bool = False  # the tokens (and output gradients) of each group share a scale
 
 
@@ -106,7 +106,7 @@ def _output_scale(kind: str, sa, sb, ids) -> Array:
 
 
 def ragged_gemm(rc: RaggedCall, kind: str, qa, a, qb, b, group_sizes, precision, out_dtype):
-    """Ragged dot `kind` of two operands from their quantised forms (`None`: use the
+    """Ragged dot `kind` of two operands from their quantized forms (`None`: use the
     high-precision operand), in `out_dtype`."""
     st = rc.call.settings
     ca, cb = _CONTRACTED[kind]
@@ -120,8 +120,8 @@ def ragged_gemm(rc: RaggedCall, kind: str, qa, a, qb, b, group_sizes, precision,
             ids = group_ids(group_sizes, a.shape[0]) if kind != "drhs" else None
             scale = _output_scale(kind, qa.expanded_scale(), qb.expanded_scale(), ids)
             return (_f32(acc) * scale).astype(out_dtype)
-    # Dequantise, then a float32 ragged dot: block scales, `"qdq"` mode, an operand kept
-    # in high precision. The dequantisation of FP8/FP4 values and their scales is exact
+    # Dequantize, then a float32 ragged dot: block scales, `"qdq"` mode, an operand kept
+    # in high precision. The dequantization of FP8/FP4 values and their scales is exact
     # in float32 (a two-level NVFP4 scale rounds once).
     da = qa.dequantize(jnp.float32) if qa is not None else _f32(a)
     db = qb.dequantize(jnp.float32) if qb is not None else _f32(b)
@@ -155,16 +155,16 @@ def _batchable_ragged(kind: str, precision, preferred: np.dtype):
     return ragged
 
 
-def quantise_weights(rc: RaggedCall, w, axes, state, plan, group_sizes=None):
-    """The expert weights quantised along `axes` (of the (G, K, N) weights), and their
+def quantize_weights(rc: RaggedCall, w, axes, state, plan, group_sizes=None):
+    """The expert weights quantized along `axes` (of the (G, K, N) weights), and their
     new state: as one tensor, or per expert (each expert's weight a tensor of its own,
     with its own entry of the state). Per expert, an expert with no tokens (its
     `group_sizes` entry 0) observes nothing: its amax goes into its state as 0, "no
     observation", as for an unused layer, so the step keeps its state."""
     if not rc.per_expert:
-        return quantise(rc.call, "rhs", w, axes, state, plan=plan)
+        return quantize(rc.call, "rhs", w, axes, state, plan=plan)
     call = rc.call
-    recipe = quantising_recipe(call.settings, "rhs")
+    recipe = quantizing_recipe(call.settings, "rhs")
     inner = tuple(a - 1 for a in axes)
 
     def one(wg, sg, used):
@@ -183,7 +183,7 @@ def quantise_weights(rc: RaggedCall, w, axes, state, plan, group_sizes=None):
             "`per_expert_weights=True` needs a recipe with one level of scales, but this recipe gives the weights a "
             "per-tensor outer scale (NVFP4). Use `per_expert_weights=False`."
         )
-    layout = jax.eval_shape(lambda: quantise(call, "rhs", w[0], inner, _slice0(state))[0])
+    layout = jax.eval_shape(lambda: quantize(call, "rhs", w[0], inner, _slice0(state))[0])
     (values, scale, _), new = jax.vmap(one)(w, state, used)
     if scale.ndim == 1:  # one scale per expert: keep the weights' rank
         scale = scale.reshape((w.shape[0],) + (1,) * (w.ndim - 1))
@@ -191,18 +191,18 @@ def quantise_weights(rc: RaggedCall, w, axes, state, plan, group_sizes=None):
     return QuantizedArray(values, scale, tile, layout.int_exponent), new
 
 
-def quantise_tokens(rc: RaggedCall, role: Role, x, axes, state, plan, group_sizes, key=None):
-    """Tokens (`"lhs"`, (M, K)) or output gradients (`"grad"`, (M, N)) quantised along
+def quantize_tokens(rc: RaggedCall, role: Role, x, axes, state, plan, group_sizes, key=None):
+    """Tokens (`"lhs"`, (M, K)) or output gradients (`"grad"`, (M, N)) quantized along
     `axes`, and their new state: as one tensor, or (`rc.per_group`) the rows of
     each group as a tensor of their own, with their own scale and entry of the state.
-    Per group, the recipe quantises the whole array with the other groups' rows set to
+    Per group, the recipe quantizes the whole array with the other groups' rows set to
     zero (so a group without rows observes nothing), under `vmap` over the groups, and
     each row takes its group's values; the scale becomes one per row. Rows past the last
     group are zeros."""
     if not rc.per_group:
-        return quantise(rc.call, role, x, axes, state, key=key, plan=plan)
+        return quantize(rc.call, role, x, axes, state, key=key, plan=plan)
     call = rc.call
-    recipe = quantising_recipe(call.settings, role)
+    recipe = quantizing_recipe(call.settings, role)
     rows = jnp.arange(x.shape[0], dtype=group_sizes.dtype)
     ends = jnp.cumsum(group_sizes)
     starts = ends - group_sizes
@@ -231,7 +231,7 @@ def _slice0(state):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def ragged_quantized_dot(rc: RaggedCall, lhs, rhs, group_sizes, *state) -> Array:
-    """`jax.lax.ragged_dot(lhs, rhs, group_sizes)` on quantised operands; `state` as for
+    """`jax.lax.ragged_dot(lhs, rhs, group_sizes)` on quantized operands; `state` as for
     `dense.quantized_dot` (the rhs state with a leading expert axis if `rc.per_expert`).
     The VJP returns the new state as the state's cotangent."""
     return _fwd(rc, lhs, rhs, group_sizes, *state)[0]
@@ -256,10 +256,10 @@ def _forward(rc: RaggedCall, lhs, rhs, group_sizes, *raw):
     ql = qr = new_l = new_r = None
     if "fwd" not in st.high_precision_gemms:
         if rc.per_expert or rc.per_group:
-            ql, new_l = quantise_tokens(rc, "lhs", lhs, (1,), states["lhs"], plans["lhs"], group_sizes)
-            qr, new_r = quantise_weights(rc, rhs, (1,), states["rhs"], plans["rhs"], group_sizes)
+            ql, new_l = quantize_tokens(rc, "lhs", lhs, (1,), states["lhs"], plans["lhs"], group_sizes)
+            qr, new_r = quantize_weights(rc, rhs, (1,), states["rhs"], plans["rhs"], group_sizes)
         else:
-            (ql, new_l), (qr, new_r) = _quantise_together(
+            (ql, new_l), (qr, new_r) = _quantize_together(
                 call,
                 [
                     ("lhs", lhs, (1,), states["lhs"], None, plans["lhs"]),
@@ -278,12 +278,12 @@ def _forward(rc: RaggedCall, lhs, rhs, group_sizes, *raw):
 
 
 def _operand(rc: RaggedCall, role: Role, res, axes, key=None):
-    """A backward GEMM's operand: the forward's quantised copy, or quantised along `axes`."""
+    """A backward GEMM's operand: the forward's quantized copy, or quantized along `axes`."""
     if isinstance(res, QuantizedArray):
         return res, None
     if role == "rhs":
-        return quantise_weights(rc, res, axes, None, None)[0], res
-    return quantise(rc.call, role, res, axes, key=key)[0], res
+        return quantize_weights(rc, res, axes, None, None)[0], res
+    return quantize(rc.call, role, res, axes, key=key)[0], res
 
 
 def _backward_precision(precision, qa, qb):
@@ -311,7 +311,7 @@ def _backward(rc: RaggedCall, residuals, g):
     keys = _gradient_keys(grad_recipe, g)
     shared_g, new_g = None, None
     if _grad_once(call):
-        shared_g, new_g = quantise_tokens(rc, "grad", g, (1,), g_state, g_plan, group_sizes)
+        shared_g, new_g = quantize_tokens(rc, "grad", g, (1,), g_state, g_plan, group_sizes)
 
     # d lhs = g . rhs^T per group: contracts the output features.
     if "dlhs" in hp:
@@ -321,7 +321,7 @@ def _backward(rc: RaggedCall, residuals, g):
         qg1 = (
             shared_g
             if shared_g is not None
-            else quantise_tokens(rc, "grad", g, (1,), None, None, group_sizes, keys[0])[0]
+            else quantize_tokens(rc, "grad", g, (1,), None, None, group_sizes, keys[0])[0]
         )
         qr1, r1 = _operand(rc, "rhs", res_r, (2,))
     dlhs = ragged_gemm(
@@ -345,7 +345,7 @@ def _backward(rc: RaggedCall, residuals, g):
         qg2 = (
             shared_g
             if shared_g is not None
-            else quantise_tokens(rc, "grad", g, (0,), None, None, group_sizes, keys[1])[0]
+            else quantize_tokens(rc, "grad", g, (0,), None, None, group_sizes, keys[1])[0]
         )
     drhs = ragged_gemm(
         rc,
@@ -363,7 +363,7 @@ def _backward(rc: RaggedCall, residuals, g):
     drhs = reduce_to(drhs, call.rhs_vma, lax.psum)
     if not call.state_is_max:
         return dlhs, drhs
-    # With state, each operand was quantised with its state (the gradient once, shared by
+    # With state, each operand was quantized with its state (the gradient once, shared by
     # both GEMMs), so all three new states are set.
     new_states = cast(tuple[tuple, tuple, tuple], (new_l, new_r, new_g))
     return (dlhs, drhs, *(v.astype(jnp.float32) for pair in new_states for v in pair))

@@ -1,4 +1,4 @@
-# The GEMM on quantised operands: FP8 or int8 on the low-precision values with the
+# The GEMM on quantized operands: FP8 or int8 on the low-precision values with the
 # scales applied to the result, block-scaled (MX, NVFP4) through `jax.nn.scaled_matmul`
 # where the device has it, per-chunk for scales that vary along the contraction, and
 # emulated in float32 otherwise. Shared by the dense, grouped and serving paths.
@@ -23,7 +23,7 @@ from .operands import (
 
 
 def _low_precision_pair(qa, qb, dims) -> str | None:
-    """The accumulation a GEMM of the two quantised values can run with, if any: their
+    """The accumulation a GEMM of the two quantized values can run with, if any: their
     scales are constant along the axes it contracts, so they factor out."""
     (lc, rc), _ = dims
     if not (qa.constant_along(lc) and qb.constant_along(rc) and _plainly_scaled(qa) and _plainly_scaled(qb)):
@@ -43,7 +43,7 @@ def _epilogue_dtype(qa, qb, out_dtype) -> bool:
 
 
 # A GEMM is split into chunks of the contraction no shorter than this; scales that vary
-# faster (per element) are dequantised instead.
+# faster (per element) are dequantized instead.
 _MIN_CHUNK = 8
 
 
@@ -71,20 +71,20 @@ def _fp8_pair(qa, qb) -> bool:
     return all(q is not None and _is_fp8(q.values.dtype) for q in (qa, qb))
 
 
-def _dequantise(q: QuantizedArray, dtype):
+def _dequantize(q: QuantizedArray, dtype):
     if q.outer_scale is not None:
         return q.dequantize(dtype, outer=False)  # the outer scale multiplies the GEMM's result
     if q.layout == "tensor" and _plainly_scaled(q):
         # XLA's pattern for an FP8 GEMM: convert to the compute dtype, multiply by the
         # scale in that dtype, dot. `"qdq"` mode relies on XLA rewriting exactly this.
         return q.values.astype(dtype) * q.scale.astype(dtype)
-    # Row and block scales: dequantise in float32 (exact for power-of-two MX scales).
+    # Row and block scales: dequantize in float32 (exact for power-of-two MX scales).
     return q.dequantize(dtype)
 
 
 def _emulated(call: Call, qa, qb):
     """The emulated accumulation for a GEMM of `qa` and `qb`, as a `(x, y, dims) ->
-    float32` function, if the settings ask for one and both operands are quantised to a
+    float32` function, if the settings ask for one and both operands are quantized to a
     floating-point format (what runs on an FP8 tensor core); else None."""
     setting = call.settings.accumulation
     if setting is None or qa is None or qb is None:
@@ -169,7 +169,7 @@ def _block_scaled_gemm(qa, qb, dims):
 
 
 def run_gemm(call: Call, qa, a, qb, b, dims, precision, out_dtype, scale=None):
-    """`a . b` from their quantised forms (`None`: use the high-precision operand).
+    """`a . b` from their quantized forms (`None`: use the high-precision operand).
     `scale`, if given, is `qa.scale * qb.scale` in float32, computed beforehand."""
     ref = np.result_type(call.lhs_dtype, call.rhs_dtype)
     emulate = _emulated(call, qa, qb)
@@ -222,16 +222,16 @@ def run_gemm(call: Call, qa, a, qb, b, dims, precision, out_dtype, scale=None):
             return rescale(
                 acc, qa.expanded_scale(), qa.values.shape, qb.expanded_scale(), qb.values.shape, dims
             ).astype(out_dtype)
-    # Dequantise-then-GEMM: `"qdq"` mode, MX blocks, or an operand kept in high precision.
-    # Two-level scales (NVFP4): the inner dequantisation (FP4 values times E4M3 scales)
+    # Dequantize-then-GEMM: `"qdq"` mode, MX blocks, or an operand kept in high precision.
+    # Two-level scales (NVFP4): the inner dequantization (FP4 values times E4M3 scales)
     # is exact, and the per-tensor outer scales multiply the GEMM's result.
     outer = _outer_product(qa, qb)
     if emulate is not None and qa is not None and qb is not None:  # (both are, when `emulate` is)
         # Block formats: the values times their block scales, exact in float32.
         out = emulate(qa.dequantize(np.float32, outer=False), qb.dequantize(np.float32, outer=False), dims)
         return _times_outer(out, outer).astype(out_dtype)
-    da = _dequantise(qa, ref) if qa is not None else a.astype(ref)
-    db = _dequantise(qb, ref) if qb is not None else b.astype(ref)
+    da = _dequantize(qa, ref) if qa is not None else a.astype(ref)
+    db = _dequantize(qb, ref) if qb is not None else b.astype(ref)
     pref = jnp.float32 if ref == np.float32 or outer is not None else None
     return _times_outer(_dot(da, db, dims, precision, pref), outer).astype(out_dtype)
 

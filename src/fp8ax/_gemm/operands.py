@@ -1,7 +1,7 @@
-# Quantising a GEMM's operands: the call's settings, each operand's recipe and format,
+# Quantizing a GEMM's operands: the call's settings, each operand's recipe and format,
 # the plans that let a recipe work on several operands of one call at once, the state
 # handed in and out, and the checks on what a recipe returns. The dense and the grouped
-# GEMMs (and serving) quantise through these.
+# GEMMs (and serving) quantize through these.
 
 from typing import Any, NamedTuple
 
@@ -16,7 +16,7 @@ from .._maxgrad import as_f32, merged_amax
 from .._quantized import QuantizedArray
 from .._recipes import Operand
 from .._rounding import content_key
-from .settings import GemmSettings, Role, quantising_recipe
+from .settings import GemmSettings, Role, quantizing_recipe
 
 ROLES: tuple[Role, ...] = ("lhs", "rhs", "grad")
 
@@ -56,10 +56,10 @@ def _merge_for(scale):
 
 
 def _lay_out_by_axis_mapping(q, axes: tuple[str, ...] | None):
-    """Sharding constraint on a quantised weight: the layout the current Haliax axis
-    mapping gives its named axes. The weight is quantised where it lies (sharded, for
+    """Sharding constraint on a quantized weight: the layout the current Haliax axis
+    mapping gives its named axes. The weight is quantized where it lies (sharded, for
     FSDP), so the all-gather that XLA's SPMD partitioner inserts to reach this layout
-    moves FP8 values (without it, `"qdq"` mode gathers the dequantised weight).
+    moves FP8 values (without it, `"qdq"` mode gathers the dequantized weight).
 
     The constraint is put on the FP8 bits viewed as uint8. Put on the FP8 array itself,
     XLA:CPU widens it to float32 before partitioning and gathers 4 bytes per value."""
@@ -76,15 +76,15 @@ def _operand_for(call: Call, role: Role, x, axes, state=None, key=None, plan=Non
     return Operand(x, tuple(axes), _role_dtype(call, role), state, key, merge, plan, role)
 
 
-def quantise(call: Call, role: Role, x, axes, state=None, key=None, plan=None):
-    """Operand `role` quantised along `axes` (contracted), and its new state. `(None,
+def quantize(call: Call, role: Role, x, axes, state=None, key=None, plan=None):
+    """Operand `role` quantized along `axes` (contracted), and its new state. `(None,
     None)` if the settings keep that operand in high precision."""
-    return _quantise_together(call, [(role, x, axes, state, key, plan)])[0]
+    return _quantize_together(call, [(role, x, axes, state, key, plan)])[0]
 
 
-def _quantise_together(call: Call, items) -> list:
-    """`quantise` of several `(role, x, axes, state, key, plan)` of one call, each
-    recipe quantising its operands in one `quantize_operands` (so that delayed scaling
+def _quantize_together(call: Call, items) -> list:
+    """`quantize` of several `(role, x, axes, state, key, plan)` of one call, each
+    recipe quantizing its operands in one `quantize_operands` (so that delayed scaling
     decides once whether they calibrate)."""
     out: list[Any] = [(None, None)] * len(items)
     for recipe, idx in _by_recipe(call, [item[0] for item in items]):
@@ -104,7 +104,7 @@ def _checked_result(recipe, op, result):
         )
     q, new = result
     if not isinstance(q, QuantizedArray):
-        raise TypeError(f"{name} must quantise to an `fp8ax.QuantizedArray`, got {_described(q)}.")
+        raise TypeError(f"{name} must quantize to an `fp8ax.QuantizedArray`, got {_described(q)}.")
     if op.state is None:
         return result
     if not (isinstance(new, tuple | list) and len(new) == len(op.state)):
@@ -130,7 +130,7 @@ def _described(x) -> str:
 
 
 def _by_recipe(call: Call, roles) -> list:
-    """`(recipe, indices into roles)` for the roles a recipe quantises, in order."""
+    """`(recipe, indices into roles)` for the roles a recipe quantizes, in order."""
     groups = []
     for i, role in enumerate(roles):
         recipe = call.settings.operand_recipe(role)
@@ -146,7 +146,7 @@ def _by_recipe(call: Call, roles) -> list:
 
 
 def _grad_once(call: Call) -> bool:
-    """Whether the output gradient is quantised once for both backward GEMMs: a
+    """Whether the output gradient is quantized once for both backward GEMMs: a
     tensor-wise, round-to-nearest recipe (and a stateful recipe observes it once)."""
     recipe = call.settings.operand_recipe("grad")
     hp = call.settings.high_precision_gemms
@@ -168,13 +168,13 @@ def _gemms(call: Call) -> tuple[tuple[str, Role, Role, np.dtype], ...]:
 
 
 def _role_dtype(call: Call, role: Role) -> np.dtype:
-    return quantising_recipe(call.settings, role).dtype_for(role)
+    return quantizing_recipe(call.settings, role).dtype_for(role)
 
 
 def _planned_scales(call: Call, plans: dict) -> dict:
     """Each role's planned scale (`AbstractScalingRecipe.planned_scale`), None where
     the role has no plan or its recipe plans no scale."""
-    return {r: None if plans[r] is None else quantising_recipe(call.settings, r).planned_scale(plans[r]) for r in ROLES}
+    return {r: None if plans[r] is None else quantizing_recipe(call.settings, r).planned_scale(plans[r]) for r in ROLES}
 
 
 def _is_fp8(dtype) -> bool:
@@ -188,13 +188,13 @@ def _is_16_bit_float(dtype) -> bool:
 
 def _plans(call: Call, states: dict) -> tuple[dict, dict]:
     """Each stateful operand's plan (see `AbstractScalingRecipe.plan`): a recipe plans
-    the operands it quantises with state in this call, forward ones and the gradient,
+    the operands it quantizes with state in this call, forward ones and the gradient,
     together, in the forward pass.
 
     Also the output scale of each GEMM whose two operands have planned scales (known
     from the state alone, delayed scaling after its first call) and whose scales go into
     its epilogue: their product, computed here beside the scales. The plans and the
-    products go behind one optimisation barrier. Without it XLA:GPU merges the scalar
+    products go behind one optimization barrier. Without it XLA:GPU merges the scalar
     arithmetic of a cast's scale with that of the next state (which reads the tensor's
     amax), and the FP8 cast waits on the reduction of its own input; and a product
     computed next to its GEMM is a kernel of its own on the cuBLASLt path."""
@@ -229,8 +229,8 @@ def _epilogue_scaled(call: Call, name: str, a: Role, b: Role, out_dtype) -> bool
 
 
 def _reusable(call: Call, role: Role, q) -> bool:
-    """Whether a forward-quantised operand serves the backward GEMM too."""
-    return q is not None and quantising_recipe(call.settings, role).contraction_independent(role)
+    """Whether a forward-quantized operand serves the backward GEMM too."""
+    return q is not None and quantizing_recipe(call.settings, role).contraction_independent(role)
 
 
 def _plainly_scaled(q) -> bool:

@@ -13,7 +13,7 @@
 # `RaggedCall`: hashable) as a static argument. JAX caches the traced pass on the function,
 # the static argument and the argument types, so every later call of the same signature
 # costs one `pjit` equation, and the lowering emits the pass once as a function that each
-# call site calls. XLA inlines those calls before it optimises (the kernels of a step are
+# call site calls. XLA inlines those calls before it optimizes (the kernels of a step are
 # the same: tests/test_remat.py, bench/state_cost.py), and JAX's transformations of a `pjit`
 # (`vmap`, `checkpoint` with any policy, `shard_map`, linearisation) apply to its body as
 # they would to the inlined equations.

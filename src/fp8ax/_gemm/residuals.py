@@ -13,7 +13,7 @@
 # value of 256 or more becomes NaN, and the subnormals of the E4M3 and E2M1 formats become
 # zero (docs/faq.md has the JAX-only repro; tests/test_remat.py checks every dtype).
 #
-# So every low-precision floating-point leaf of the residuals (quantised values, E4M3 or
+# So every low-precision floating-point leaf of the residuals (quantized values, E4M3 or
 # E8M0 block scales) crosses the remat boundary as its bit pattern: an unsigned integer of
 # the same width, which `_insert_reduce_precision` skips (it rounds inexact dtypes only).
 # A bitcast of equal width moves no data; XLA removes the pair where no remat separates
@@ -135,7 +135,7 @@ def keep(operands: tuple, observed, planned, with_state: tuple[bool, ...]) -> tu
     """A custom VJP's residuals, protected and packed: `operands` (arrays or
     `QuantizedArray`s), `observed` (what the forward pass observed: new states) and
     `planned` (what a stateful recipe decides before it reads a tensor: the gradient's
-    state and plan). The scale of each `QuantizedArray` operand quantised with its state
+    state and plan). The scale of each `QuantizedArray` operand quantized with its state
     (`with_state`) is packed with `planned`; the others stay with their operands.
 
     Packed apart, each vector is decided by one kind of input: nothing the state alone

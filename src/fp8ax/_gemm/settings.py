@@ -27,7 +27,7 @@ def _check_accumulation(value, mode):
         raise TypeError(f"`accumulation` must be an `fp8ax.EmulatedAccumulation` or None, got {value!r}.")
     if mode != "direct":
         raise ValueError(
-            f'`accumulation` needs `mode="direct"`, got mode={mode!r}: in "qdq" mode the GEMM runs on dequantised '
+            f'`accumulation` needs `mode="direct"`, got mode={mode!r}: in "qdq" mode the GEMM runs on dequantized '
             "values, which a tensor core never sees."
         )
     return value
@@ -76,7 +76,7 @@ def _check_mode(mode) -> Mode:
 def _check_override(name, value):
     if value is not None and value != "off" and not isinstance(value, AbstractStatelessRecipe):
         raise TypeError(
-            f"`{name}` must be None (use `recipe`), 'off' (no quantisation) or a stateless recipe "
+            f"`{name}` must be None (use `recipe`), 'off' (no quantization) or a stateless recipe "
             f"(`fp8ax.CurrentScaling`, `fp8ax.MXScaling`, `fp8ax.Int8Scaling`), got {value!r}."
         )
     return value
@@ -151,13 +151,13 @@ class GemmSettings(eqx.Module):
         """**Arguments:**
 
         - `recipe`: the scaling recipe; default [`fp8ax.DelayedScaling`][]`()`.
-        - `mode`: `"direct"` (default) quantises both operands and calls
+        - `mode`: `"direct"` (default) quantizes both operands and calls
           `lax.dot_general` on the low-precision arrays with a float32 (int32 for int8)
-          result, then multiplies by the scales. `"qdq"` quantises, dequantises back to
+          result, then multiplies by the scales. `"qdq"` quantizes, dequantizes back to
           the compute dtype and calls a high-precision `dot_general`: the
           convert-multiply-dot pattern that XLA's GPU compiler rewrites into a cuBLASLt
           FP8 GEMM. With float32 operands both give the same result up to float32
-          rounding; with bf16 operands `"qdq"` dequantises in bf16 (as XLA's pattern
+          rounding; with bf16 operands `"qdq"` dequantizes in bf16 (as XLA's pattern
           requires), which rounds the scales to bf16 too.
         - `compute_dtype`: if given, both operands are cast to it first (for example
           `jnp.bfloat16`). (Keyword only argument.)
@@ -168,16 +168,16 @@ class GemmSettings(eqx.Module):
           gradient and kernel gradient). (Keyword only arguments.)
         - `lhs_recipe`, `rhs_recipe`, `grad_recipe`: per-operand overrides of a stateless
           `recipe`: `None` (default) uses `recipe`, `"off"` leaves that operand in high
-          precision, a stateless recipe quantises it that way. (Keyword only arguments.)
-        - `high_precision_gemms`: GEMMs computed without quantisation, from `"fwd"`,
+          precision, a stateless recipe quantizes it that way. (Keyword only arguments.)
+        - `high_precision_gemms`: GEMMs computed without quantization, from `"fwd"`,
           `"dlhs"` (input gradient) and `"drhs"` (weight gradient); e.g. `("drhs",)` is
           torchao's `rowwise_with_gw_hp`. Stateless recipes only. (Keyword only argument.)
         - `fp8_all_gather_axes`: the Haliax axis names of `rhs`, in order. If given, the
           FP8 `rhs` is laid out by the current Haliax axis mapping right after
-          quantisation (a sharding constraint), so that an FSDP all-gather of the weight
+          quantization (a sharding constraint), so that an FSDP all-gather of the weight
           moves FP8 values. `None` (default): no constraint. (Keyword only argument.)
         - `accumulation`: an [`fp8ax.EmulatedAccumulation`][] to compute each GEMM of two
-          floating-point quantised operands as a tensor core accumulates it (limited
+          floating-point quantized operands as a tensor core accumulates it (limited
           precision, promotion to float32 every so many elements), on any backend; needs
           `mode="direct"`. `None` (default): XLA's float32 accumulation. (Keyword only
           argument.)
@@ -187,7 +187,7 @@ class GemmSettings(eqx.Module):
           `jax.nn.scaled_matmul`, which XLA:GPU hands to cuDNN's block-scaled kernel on
           Blackwell (compute capability 10.0 and newer). `None` (default): when the
           default device is such a GPU; `True`: always (JAX lowers it for GPUs only);
-          `False`: never (the blocks are dequantised and multiplied, the same numbers).
+          `False`: never (the blocks are dequantized and multiplied, the same numbers).
           (Keyword only argument.)
         """
         self.recipe = _check_recipe(recipe)
@@ -214,7 +214,7 @@ class GemmSettings(eqx.Module):
             )
 
     def operand_recipe(self, role: Role) -> AbstractScalingRecipe | None:
-        """The recipe that quantises operand `role` (`"lhs"`, `"rhs"` or `"grad"`); None
+        """The recipe that quantizes operand `role` (`"lhs"`, `"rhs"` or `"grad"`); None
         if it stays in high precision."""
         override = {"lhs": self.lhs_recipe, "rhs": self.rhs_recipe, "grad": self.grad_recipe}[role]
         if override is None:
@@ -227,9 +227,9 @@ class GemmSettings(eqx.Module):
         return self.recipe.stateful
 
 
-def quantising_recipe(settings: GemmSettings, role: Role) -> AbstractScalingRecipe:
-    """`settings.operand_recipe(role)` where the caller knows that operand is quantised
-    (it has a plan, a state or a quantised form, or the caller checked): never None."""
+def quantizing_recipe(settings: GemmSettings, role: Role) -> AbstractScalingRecipe:
+    """`settings.operand_recipe(role)` where the caller knows that operand is quantized
+    (it has a plan, a state or a quantized form, or the caller checked): never None."""
     return cast(AbstractScalingRecipe, settings.operand_recipe(role))
 
 

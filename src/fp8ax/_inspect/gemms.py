@@ -9,7 +9,7 @@ import equinox as eqx
 import jax
 
 _FP8_TYPE = re.compile(r"f8E\dM\d(?:FNUZ|FN|B11FNUZ)?", re.IGNORECASE)
-# Optimised HLO: `dot(f8e4m3fn[4,8]{1,0} %a, ...)` or a cuBLAS(Lt) GEMM custom call.
+# Optimized HLO: `dot(f8e4m3fn[4,8]{1,0} %a, ...)` or a cuBLAS(Lt) GEMM custom call.
 _HLO_DOT = re.compile(r"=\s*[^\n=]*?\b(dot|custom-call)\(([^)]*)\)([^\n]*)")
 
 # fp8ax's own source files: a matmul traced through them belongs to an fp8ax layer (the
@@ -330,7 +330,7 @@ def _operand_types(operands: str, types: dict[str, str]) -> list[str]:
 
 
 def _compiled_gemms(text: str, lowered: tuple[Gemm, ...]) -> tuple[Gemm, ...]:
-    """The matmuls of an optimised HLO module: every `dot`, in the entry computation or
+    """The matmuls of an optimized HLO module: every `dot`, in the entry computation or
     inside a fusion (XLA:GPU's Triton GEMM fusions hold theirs inside), and every GEMM
     custom call (cuBLAS). A `dot` is FP8 when both its operands are; XLA prints operands
     by name only, so their types come from the instructions that define them
@@ -368,7 +368,7 @@ def _compiled_gemms(text: str, lowered: tuple[Gemm, ...]) -> tuple[Gemm, ...]:
 def gemm_report(fn: Callable, *args, **kwargs) -> GemmReport:
     """Counts the matmuls of `jax.jit(fn)(*args, **kwargs)` that really run in FP8.
 
-    XLA only turns the quantise-dequantise (`"qdq"`) pattern into an FP8 GEMM when it
+    XLA only turns the quantize-dequantize (`"qdq"`) pattern into an FP8 GEMM when it
     recognises the exact op sequence, and otherwise silently runs a bf16/f32 GEMM. Use this
     on the device you train on to check what you get. It lowers and compiles `fn`; it does
     not run it.

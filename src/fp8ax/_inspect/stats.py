@@ -2,9 +2,9 @@
 # TensorBoard, printing), and a plot of the amax histories.
 #
 # The state statistics are what each layer's recipe reads from its state. The batch statistics (saturation,
-# underflow) need the tensors each layer quantises: `scaling_stats` runs the given
+# underflow) need the tensors each layer quantizes: `scaling_stats` runs the given
 # function on a copy of the model in which every `Fp8DotGeneral` is wrapped by
-# `_Capture`. The wrapper calls the layer unchanged, quantises its operands once more
+# `_Capture`. The wrapper calls the layer unchanged, quantizes its operands once more
 # with the layer's own recipe and state, and sends the counts to the host with
 # `jax.debug.callback` (one call per use: per example under `vmap`, per layer under
 # `Stacked`'s scan, which slices the wrapper's layer index with the state).
@@ -76,7 +76,7 @@ def _index_str(index: tuple[int, ...]) -> str:
 
 
 def _bound(dtype) -> float:
-    """The largest magnitude the quantised values can hold."""
+    """The largest magnitude the quantized values can hold."""
     dtype = np.dtype(dtype)
     if jnp.issubdtype(dtype, jnp.integer):
         return float(jnp.iinfo(dtype).max)
@@ -84,11 +84,11 @@ def _bound(dtype) -> float:
 
 
 def operand_counts(x: Array, q: QuantizedArray) -> dict[str, Array]:
-    """How many elements of `x` the quantisation `q` (of `x`) saturated or flushed to zero.
+    """How many elements of `x` the quantization `q` (of `x`) saturated or flushed to zero.
 
     - `saturated`: finite elements with `|x| / scale` beyond the largest value of the
       format (they are clipped to it);
-    - `underflow`: finite nonzero elements whose quantised value is zero;
+    - `underflow`: finite nonzero elements whose quantized value is zero;
     - `nonzero`, `total`: finite nonzero elements, and all elements.
     """
     xf = jnp.asarray(x).astype(jnp.float32)
@@ -96,7 +96,7 @@ def operand_counts(x: Array, q: QuantizedArray) -> dict[str, Array]:
     # The scale of every element (tensor, row or MX block), as the values' dtype reads it.
     one = q.with_values(jnp.ones_like(q.values))
     elem_scale = jnp.broadcast_to(one.dequantize(jnp.float32), xf.shape)
-    # The quantiser's own arithmetic: x * (1 / scale), in float32.
+    # The quantizer's own arithmetic: x * (1 / scale), in float32.
     saturated = finite & (jnp.abs(xf * _formats.reciprocal(elem_scale)) > jnp.float32(_bound(q.values.dtype)))
     nonzero = finite & (xf != 0)
     underflow = nonzero & (q.values == jnp.zeros((), q.values.dtype))
@@ -109,8 +109,8 @@ def operand_counts(x: Array, q: QuantizedArray) -> dict[str, Array]:
     }
 
 
-def _quantised_as_the_layer_does(recipe, role: str, x, axes, state=()) -> QuantizedArray:
-    """`x` quantised by `recipe` as the layer's `role` operand, with the arrays of its
+def _quantized_as_the_layer_does(recipe, role: str, x, axes, state=()) -> QuantizedArray:
+    """`x` quantized by `recipe` as the layer's `role` operand, with the arrays of its
     `state` (empty for a stateless recipe)."""
     dtype = recipe.dtype_for(role)
     key = jax.random.key(0) if recipe.stochastic(role) else None
@@ -128,7 +128,7 @@ def _state_of(dg: Fp8DotGeneral, role: str) -> tuple:
 
 
 class _Capture(eqx.Module):
-    """An `Fp8DotGeneral` that also reports what its operands lose to quantisation."""
+    """An `Fp8DotGeneral` that also reports what its operands lose to quantization."""
 
     inner: Fp8DotGeneral
     index: Array  # int32 of the stacked shape: which stacked layer (sliced with the state)
@@ -150,7 +150,7 @@ class _Capture(eqx.Module):
             if st.operand_recipe(role) is None:
                 continue
             axes = tuple(int(a) % x.ndim for a in axes)
-            q = _quantised_as_the_layer_does(st.operand_recipe(role), role, x, axes, _state_of(inner, role))
+            q = _quantized_as_the_layer_does(st.operand_recipe(role), role, x, axes, _state_of(inner, role))
             counts[role] = operand_counts(x, q)
         jax.debug.callback(functools.partial(_record, self.slot), self.index, counts)
         if "dlhs" in st.high_precision_gemms and "drhs" in st.high_precision_gemms:
@@ -158,8 +158,8 @@ class _Capture(eqx.Module):
         grad_recipe = st.operand_recipe("grad")
         if grad_recipe is None:
             return out
-        # The output gradient is quantised in the backward pass: an identity whose VJP
-        # quantises the incoming gradient as the layer's does (per tensor along the
+        # The output gradient is quantized in the backward pass: an identity whose VJP
+        # quantizes the incoming gradient as the layer's does (per tensor along the
         # axes the input-gradient GEMM contracts) and reports what that loses.
         axes = bwd_layout(dimension_numbers, lhs.ndim, rhs.ndim).g_rfree
         consts = jax.lax.stop_gradient((self.index, *_state_of(self.inner, "grad")))
@@ -178,7 +178,7 @@ def _observe_gradient_fwd(recipe, axes, slot, out, index, *state):
 
 def _observe_gradient_bwd(recipe, axes, slot, residuals, g):
     index, state = residuals
-    q = _quantised_as_the_layer_does(recipe, "grad", g, axes, state)
+    q = _quantized_as_the_layer_does(recipe, "grad", g, axes, state)
     jax.debug.callback(functools.partial(_record, slot), index, {"grad": operand_counts(g, q)})
     zeros = tuple(jnp.zeros_like(s) for s in state)
     return (g, np.zeros(np.shape(index), jax.dtypes.float0), *zeros)
@@ -249,7 +249,7 @@ def scaling_stats(model: Any, fn: Callable | None = None, *args, **kwargs) -> di
     recipe reads from the state (`AbstractScalingRecipe.state_stats`); for
     [`fp8ax.DelayedScaling`][]:
 
-    - `"{path}/{tensor}/scale"`: the dequantisation scale its last call used;
+    - `"{path}/{tensor}/scale"`: the dequantization scale its last call used;
     - `"{path}/{tensor}/amax"`: the newest amax in its history (0 before the first step);
     - `"{path}/{tensor}/amax_history_max"`: the largest amax in its history, which sets the
       next call's scale with `amax_compute_algo="max"`.
@@ -266,12 +266,12 @@ def scaling_stats(model: Any, fn: Callable | None = None, *args, **kwargs) -> di
 
     - `"{path}/{tensor}/saturation"`: the fraction of its elements beyond the format's
       range at the scale the layer uses (`|x| / scale > 448` for E4M3), which the
-      quantisation clips;
-    - `"{path}/{tensor}/underflow"`: the fraction of its nonzero elements that quantise
+      quantization clips;
+    - `"{path}/{tensor}/underflow"`: the fraction of its nonzero elements that quantize
       to zero.
 
     Both are computed with the layer's own recipe and state, as the call in `fn` would
-    quantise them; a layer used several times in `fn` (`vmap` over examples, a `scan`,
+    quantize them; a layer used several times in `fn` (`vmap` over examples, a `scan`,
     microbatches) counts all its uses together. The state of the model is not changed.
     An output gradient far larger than its history (a loss scaled differently from the
     one the history saw, see the "How the FP8 state works" page) shows as a `grad`

@@ -64,19 +64,19 @@ class Fp8Config(SettingsView):
         - `min_features`: skip layers whose input or output size is below this (keyword
           only). Small GEMMs get slower in FP8: the casts and scaling cost more than the
           faster matmul saves.
-        - `fp8_all_gather`: for FSDP. Quantise each `haliax.nn.Linear` weight to FP8
+        - `fp8_all_gather`: for FSDP. Quantize each `haliax.nn.Linear` weight to FP8
           while it is still sharded, and lay the FP8 weight out as the current Haliax axis
           mapping asks (inside `haliax.named_jit(..., axis_resources=...)`), so the
           all-gather moves FP8 bytes instead of bf16/f32 ones (keyword only). No effect
           on `equinox.nn.Linear` layers, outside an axis mapping, or with stateless
-          recipes (their weight is quantised per GEMM, after the gather). See the "Distributed
+          recipes (their weight is quantized per GEMM, after the gather). See the "Distributed
           training" page of the docs.
         - `compute_dtype`, `fwd_precision`, `dlhs_precision`, `drhs_precision`,
           `lhs_recipe`, `rhs_recipe`, `grad_recipe`, `high_precision_gemms`: fields of
           [`fp8ax.GemmSettings`][], with its defaults, documented there (keyword only).
           (`fp8_all_gather_axes` comes from each layer's axes, with `fp8_all_gather`.)
         - `per_expert_weights`: in mixture-of-experts layers (`haliax.nn.MoELinear`),
-          quantise each expert's weight as a tensor of its own, with its own scale and
+          quantize each expert's weight as a tensor of its own, with its own scale and
           state (default); False: all experts' weights as one tensor (keyword only). See
           [`fp8ax.Fp8RaggedDot`][].
         - `per_group_tokens`: in mixture-of-experts layers, scale the tokens routed to

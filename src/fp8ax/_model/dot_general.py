@@ -45,7 +45,7 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
     Its array leaves are exactly those states' arrays, whatever happens to the model
     (`jax.device_put`, a `lax.scan` carry, `eqx.filter_vmap`, a checkpoint restore): a
     training step is one program, the first step's included (see
-    [`fp8ax.DelayedScaling`][]'s `calibrate_first_call`), and an optimiser state built
+    [`fp8ax.DelayedScaling`][]'s `calibrate_first_call`), and an optimizer state built
     from the whole model (`opt.init(eqx.filter(model, eqx.is_array))`) matches the
     gradients on every step.
 
@@ -130,7 +130,7 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
         out_sharding=None,
     ) -> Array:
         """`jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
-        out_sharding=out_sharding)` computed on FP8-quantised operands.
+        out_sharding=out_sharding)` computed on FP8-quantized operands.
 
         **Arguments:**
 
@@ -172,7 +172,7 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
 
     def _state_problems(self, empty: bool = True) -> list[tuple[str, str]]:
         """`(role, problem)` for each of `lhs`, `rhs`, `grad` whose state is `"corrupt"`
-        (values no fp8ax update writes: it went through an optimiser) or, if `empty`,
+        (values no fp8ax update writes: it went through an optimizer) or, if `empty`,
         `"empty"` (it has observed nothing: the layer was never run, or its new state was
         never written); for stacked layers, a problem of any entry. Reads the values:
         concrete arrays only. Empty for a stateless recipe."""
@@ -220,7 +220,7 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
 
     def _refuse_corrupt_state(self, raw: tuple) -> None:
         # An eager call sees the state's values: it refuses one that went through an
-        # optimiser. (A traced step cannot raise without a host callback, which would
+        # optimizer. (A traced step cannot raise without a host callback, which would
         # keep JAX's persistent cache from storing it: it calibrates on such a state
         # instead, and `fp8ax.check_state` reports it.)
         if not raw or any(isinstance(v, jax.core.Tracer) for v in raw):
@@ -369,7 +369,7 @@ def check_operand(x, argname: str) -> Array:
     dtype = np.dtype(x.dtype)
     if not jnp.issubdtype(dtype, jnp.floating) or dtype in _formats.FP8_DTYPES:
         raise TypeError(
-            f"`{argname}` must be a float16, bfloat16, float32 or float64 array to be quantised to FP8, got dtype "
+            f"`{argname}` must be a float16, bfloat16, float32 or float64 array to be quantized to FP8, got dtype "
             f"{dtype}. For integer or complex matmuls use `jax.lax.dot_general`."
         )
     return jnp.asarray(x)
@@ -387,7 +387,7 @@ def with_out_sharding(out: Array, out_sharding) -> Array:
 def check_explicit_sharding(op: str, settings: GemmSettings | None, *operands) -> None:
     """Under JAX's explicit sharding, fp8ax runs tensor-wise recipes (delayed scaling,
     tensor-wise current scaling) in its dense op; anything else raises here, in fp8ax's
-    words, instead of a sharding error from inside a quantiser. (`settings` None: the op
+    words, instead of a sharding error from inside a quantizer. (`settings` None: the op
     supports no explicit sharding at all.)"""
     if not any(explicitly_sharded(x) for x in operands):
         return

@@ -23,7 +23,7 @@ class Fp8MoELinear(eqx.Module):
     `Experts`, `In`, `Out`, `use_gmm`) and call (`layer(inputs, group_sizes)`), plus
     `ragged`, the FP8 op with its state.
 
-    Both `use_gmm` settings run the same op: XLA's ragged dot on the quantised operands.
+    Both `use_gmm` settings run the same op: XLA's ragged dot on the quantized operands.
     (`use_gmm=True` selects Haliax's Pallas grouped-matmul kernel, which takes no FP8
     scales; the setting is kept so that [`fp8ax.strip_fp8`][] gives the layer back as it
     was.)

@@ -31,7 +31,7 @@ from .dot_general import Fp8DotGeneral, check_explicit_sharding, check_operand, 
 class Fp8RaggedDot(Fp8DotGeneral):
     """Low-precision drop-in for `jax.lax.ragged_dot`: the grouped GEMM of a
     mixture-of-experts layer, in FP8 (or MX, NVFP4, int8), with its three GEMMs (forward,
-    input gradient, weight gradient) as ragged dots on quantised operands.
+    input gradient, weight gradient) as ragged dots on quantized operands.
 
     `fp8ax.fp8_linear_layers` puts one in every `haliax.nn.MoELinear` it converts (see
     [`fp8ax.Fp8MoELinear`][]); Equinox code calls it directly, as it would call
@@ -43,7 +43,7 @@ class Fp8RaggedDot(Fp8DotGeneral):
     [`fp8ax.calibrate`][] and [`fp8ax.scaling_stats`][] work unchanged, and several uses
     of one layer merge their state by `max`. With `per_expert_weights` (the default of
     [`fp8ax.Fp8RaggedDot.init`][] when given `num_experts`), each expert's weight is
-    quantised as a tensor of its own: the `rhs` state has one entry per expert (a leading
+    quantized as a tensor of its own: the `rhs` state has one entry per expert (a leading
     `Experts` dimension), and an expert that no token reaches in a call records nothing
     and keeps its state.
 
@@ -130,7 +130,7 @@ class Fp8RaggedDot(Fp8DotGeneral):
         - `num_experts`: the number of groups (experts). Needed for per-expert weight
           scales with a stateful recipe (the state has one entry per expert). (Keyword
           only argument.)
-        - `per_expert_weights`: quantise each expert's weight as a tensor of its own;
+        - `per_expert_weights`: quantize each expert's weight as a tensor of its own;
           default: True when `num_experts` is given, else False. (Keyword only
           argument.)
         - `per_group_tokens`: scale the tokens (and the output gradients) of each group
@@ -175,7 +175,7 @@ class Fp8RaggedDot(Fp8DotGeneral):
         out_sharding=None,
     ) -> Array:
         """`jax.lax.ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type,
-        group_offset, out_sharding)` computed on quantised operands.
+        group_offset, out_sharding)` computed on quantized operands.
 
         **Arguments:**
 

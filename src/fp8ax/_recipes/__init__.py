@@ -1,4 +1,4 @@
-"""Scaling recipes: how one operand of a GEMM is quantised, and the state that needs.
+"""Scaling recipes: how one operand of a GEMM is quantized, and the state that needs.
 
 - `base`: the recipe interface the GEMM pipeline calls (`AbstractScalingRecipe`,
   `Operand`); `stateless`: the base of recipes that keep no state, with the checks and

@@ -1,6 +1,6 @@
 # The recipe interface: what the GEMM pipeline asks of a recipe.
 #
-# Every recipe quantises one operand of a GEMM, for a role (forward operand or output
+# Every recipe quantizes one operand of a GEMM, for a role (forward operand or output
 # gradient: the recipe's `fwd_dtype` or `grad_dtype`) and the axes that GEMM contracts,
 # into a `QuantizedArray` whose scale has a declared layout. A stateful recipe reads its
 # state and returns the new one; the GEMM pipeline (`_gemm/`) is the same for all.
@@ -20,7 +20,7 @@ from .. import _formats
 from .._quantized import QuantizedArray, ScaleLayout
 from .._state import AbstractState
 
-# What `quantize_operand` returns besides the quantised array: the new state of the
+# What `quantize_operand` returns besides the quantized array: the new state of the
 # operand (a `(scale, amax_history)` pair), or None for a stateless recipe.
 NewState = tuple[Array, Array] | None
 
@@ -41,7 +41,7 @@ class Operand(NamedTuple):
     """One operand of a call, as [`fp8ax.AbstractScalingRecipe.quantize_operands`][]
     takes it: the arguments of `quantize_operand`, plus the operand's `plan` and its
     `role` in the GEMM (`"lhs"`, `"rhs"` or `"grad"`; None when not known), by which a
-    recipe picks per-role behaviour (its format, a weight's 2D blocks)."""
+    recipe picks per-role behavior (its format, a weight's 2D blocks)."""
 
     x: Array
     contracting_axes: tuple[int, ...]
@@ -64,13 +64,13 @@ def _as_operands(operands) -> list[Operand]:
 
 
 class AbstractScalingRecipe(eqx.Module):
-    """How a low-precision dot general quantises its operands: the one interface of every
+    """How a low-precision dot general quantizes its operands: the one interface of every
     fp8ax recipe.
 
     A recipe is configuration only (all of its fields are static). It names the formats
     of the forward operands and of the output gradient (`fwd_dtype`, `grad_dtype`), the
     layout of its scales (`scale_layout`), and implements one method,
-    `quantize_operand`: quantise one GEMM operand along the axes that GEMM contracts,
+    `quantize_operand`: quantize one GEMM operand along the axes that GEMM contracts,
     reading the operand's state and returning the new one if the recipe keeps state.
 
     - *stateful* recipes ([`fp8ax.DelayedScaling`][]) also implement `init_state`: the
@@ -95,19 +95,19 @@ class AbstractScalingRecipe(eqx.Module):
     def scale_layout(self) -> ScaleLayout:
         """The layout of the scales this recipe makes: `"tensor"`, `"row"` or `"block"`
         (see [`fp8ax.QuantizedArray`][]). A tensor-wise scale does not depend on the
-        contracting axes, so the GEMM pipeline reuses a forward operand, quantised once,
+        contracting axes, so the GEMM pipeline reuses a forward operand, quantized once,
         in the backward GEMMs."""
         raise NotImplementedError
 
     def dtype_for(self, role: str) -> np.dtype:
-        """The format operand `role` (`"lhs"`, `"rhs"` or `"grad"`) is quantised to:
+        """The format operand `role` (`"lhs"`, `"rhs"` or `"grad"`) is quantized to:
         `grad_dtype` for the output gradient, `fwd_dtype` for the others."""
         return self.grad_dtype if role == "grad" else self.fwd_dtype
 
     def contraction_independent(self, role: str) -> bool:
-        """Whether operand `role` is quantised the same whatever axes its GEMM contracts,
-        so that the forward pass's quantised copy serves the backward GEMMs too (and the
-        output gradient is quantised once for both). True for tensor-wise scales (the
+        """Whether operand `role` is quantized the same whatever axes its GEMM contracts,
+        so that the forward pass's quantized copy serves the backward GEMMs too (and the
+        output gradient is quantized once for both). True for tensor-wise scales (the
         default derives it from `scale_layout`); a recipe with 2D weight blocks says so
         for `"rhs"`."""
         del role
@@ -138,7 +138,7 @@ class AbstractScalingRecipe(eqx.Module):
     def weight_gradient_rotation(self) -> Array | None:
         """An orthogonal `(n, n)` matrix that both operands of the weight-gradient GEMM
         (the activation and the output gradient) are multiplied by along their
-        contraction, `n` elements at a time, before they are quantised (NVFP4's random
+        contraction, `n` elements at a time, before they are quantized (NVFP4's random
         Hadamard transform); the GEMM is unchanged in exact arithmetic. None (the
         default): no rotation."""
         return None
@@ -167,7 +167,7 @@ class AbstractScalingRecipe(eqx.Module):
 
     def state_valid(self, state: tuple[ArrayLike, ...]) -> np.ndarray:
         """Per stacked layer: whether the state is one fp8ax's updates can have written (a
-        state that went through an optimiser is not). Concrete arrays only. The default
+        state that went through an optimizer is not). Concrete arrays only. The default
         accepts finite, non-negative arrays."""
         ok = None
         for value, extra in zip(state, self._entry_ndims()):
@@ -181,8 +181,8 @@ class AbstractScalingRecipe(eqx.Module):
         return type(cast(AbstractState, self.init_state())).entry_ndims
 
     def serving_scale(self, state: tuple[Array, ...], dtype: np.dtype) -> Array:
-        """The dequantisation scale, frozen from one layer's state (no stacked dimensions),
-        that serving quantises the input operand with, to `dtype`. `fp8ax.to_serving`
+        """The dequantization scale, frozen from one layer's state (no stacked dimensions),
+        that serving quantizes the input operand with, to `dtype`. `fp8ax.to_serving`
         calls it under `jax.jit` (and `vmap` for stacked layers). A stateful recipe that
         can be served defines it; the default refuses."""
         del state, dtype
@@ -213,7 +213,7 @@ class AbstractScalingRecipe(eqx.Module):
         key: Any = None,
         merge: Callable[[Array], Array] = _no_merge,
     ) -> tuple[QuantizedArray, NewState]:
-        """Quantises `x`, one operand of a GEMM that contracts `contracting_axes`, to
+        """Quantizes `x`, one operand of a GEMM that contracts `contracting_axes`, to
         `dtype` (the recipe's `fwd_dtype` or `grad_dtype`).
 
         **Arguments:**
@@ -243,8 +243,8 @@ class AbstractScalingRecipe(eqx.Module):
         """What the operands of one call share, decided once from their states.
 
         The GEMM pipeline calls this once per call, in the forward pass, with the state
-        of every operand of the call that this recipe quantises with state (forward
-        operands and output gradient) and the format each is quantised to (`dtypes`, in
+        of every operand of the call that this recipe quantizes with state (forward
+        operands and output gradient) and the format each is quantized to (`dtypes`, in
         the same order; None when unknown), and hands each operand its plan in
         `quantize_operands`, in the forward pass or the backward one. A plan is a pytree
         of arrays (it is kept for the backward pass). The default plans nothing: one None
@@ -254,20 +254,20 @@ class AbstractScalingRecipe(eqx.Module):
         return [None] * len(states)
 
     def planned_scale(self, plan: Any) -> Array | None:
-        """The tensor-wise scale an operand with this `plan` will be quantised with, if
+        """The tensor-wise scale an operand with this `plan` will be quantized with, if
         its state alone decides it (None otherwise, the default).
 
         The pipeline multiplies the planned scales of a GEMM's two operands into the
         GEMM's output scale beside them, and puts the plans and those products behind
-        one optimisation barrier: an FP8 cast then depends on nothing computed from its
+        one optimization barrier: an FP8 cast then depends on nothing computed from its
         own tensor, and each GEMM's scale is ready with its operands' (on XLA:GPU, in the
         same kernel)."""
         del plan
         return None
 
     def quantize_operands(self, operands: Sequence[Operand]) -> list[tuple[QuantizedArray, NewState]]:
-        """Quantises several operands of one call, each as `quantize_operand` would, with
-        their plans (see `plan`). The default quantises them one by one."""
+        """Quantizes several operands of one call, each as `quantize_operand` would, with
+        their plans (see `plan`). The default quantizes them one by one."""
         return [
             self.quantize_operand(op.x, op.contracting_axes, op.dtype, state=op.state, key=op.key, merge=op.merge)
             for op in _as_operands(operands)

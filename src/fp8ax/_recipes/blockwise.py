@@ -3,9 +3,9 @@
 # everywhere, GEMMs that promote each 128-element chunk of the contraction to float32.
 #
 # Everything specific to the recipe is here: the tile of each role. The GEMM pipeline
-# derives from the quantised values' tiles that the scales vary along the contraction
+# derives from the quantized values' tiles that the scales vary along the contraction
 # and runs one GEMM per chunk (`_gemm.dims.block_scaled_dot`); serving stores the
-# quantised weight with its tile; stats read the tiles through `QuantizedArray`.
+# quantized weight with its tile; stats read the tiles through `QuantizedArray`.
 
 import equinox as eqx
 import jax.numpy as jnp
@@ -23,10 +23,10 @@ class BlockwiseScaling(AbstractStatelessRecipe):
 
     - Activations and output gradients: one scale per `1 x tile` elements, `tile`
       consecutive elements of the contraction for each row. A backward GEMM that
-      contracts another axis re-quantises along its own (`tile x 1` in the
+      contracts another axis re-quantizes along its own (`tile x 1` in the
       activation's layout).
     - Weights (`rhs`): one scale per `tile x tile` block, so the forward GEMM and the
-      input gradient's GEMM use the same quantised weight.
+      input gradient's GEMM use the same quantized weight.
     - `scale = amax / 448` per tile (at least `2**-126`; 1 for an all-zero tile or one
       holding a NaN or inf), optionally rounded up to a power of two, in float32; E4M3
       values everywhere.
@@ -37,7 +37,7 @@ class BlockwiseScaling(AbstractStatelessRecipe):
 
     Contractions over several axes tile `tile` consecutive elements of the flattened
     contraction where the axes allow it. A GEMM whose two operands' tiles do not line
-    up (a contraction laid out in another axis order) falls back to dequantising.
+    up (a contraction laid out in another axis order) falls back to dequantizing.
     """
 
     tile: int = eqx.field(static=True)
@@ -70,7 +70,7 @@ class BlockwiseScaling(AbstractStatelessRecipe):
         return role == "rhs"  # square blocks: the same for either contraction
 
     def tile_for(self, shape: tuple[int, ...], contracting_axes, role: str) -> tuple[int, ...]:
-        """The tile of an operand of `shape` quantised as `role` for a GEMM that contracts
+        """The tile of an operand of `shape` quantized as `role` for a GEMM that contracts
         `contracting_axes`."""
         extents = run_tiles(shape, contracting_axes, self.tile)
         if role == "rhs":

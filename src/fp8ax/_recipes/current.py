@@ -24,7 +24,7 @@ class CurrentScaling(AbstractStatelessRecipe):
     """Current (just-in-time) scaling: each call scales a tensor by its own amax.
 
     `scale = amax / fp8_max` (optionally rounded up to a power of two, exactly), computed
-    from the tensor being quantised, so nothing is kept between steps and nothing can be
+    from the tensor being quantized, so nothing is kept between steps and nothing can be
     stale. The scale is at least `2**-126`, the smallest normal float32 (a smaller one
     would be flushed to zero), and 1 for a tensor (or row) that is all zero or holds a
     NaN or an inf.

@@ -66,13 +66,13 @@ def _calibrates(longest, lowest, scale, corrupt=None):
 
 
 def _required_states(states) -> list[tuple[Array, ...]]:
-    """`states` as a list, checked: DelayedScaling quantises every operand with its
+    """`states` as a list, checked: DelayedScaling quantizes every operand with its
     state: `(data,)` (a `ScalingState`'s array: unit, scale, amax history), or
     `(scale, amax_history, unit)`, or `(scale, amax_history)` (unit 1)."""
     states = list(states)
     for state in states:
         if state is None:
-            raise ValueError("`state` is required: DelayedScaling quantises with the state of the operand.")
+            raise ValueError("`state` is required: DelayedScaling quantizes with the state of the operand.")
         if not (isinstance(state, tuple | list) and len(state) in (1, 2, 3)):
             raise TypeError(
                 "`state` must be a `ScalingState`'s `(data,)`, a `(scale, amax_history, unit)` triple or a "
@@ -139,7 +139,7 @@ class DelayedScaling(AbstractScalingRecipe):
     where `fp8_max` is the largest finite value of the operand's format (448 for E4M3,
     57344 for E5M2). A zero or non-finite amax keeps the previous scale. A history that no
     fp8ax update could have written (a negative, NaN or inf entry: the state went through
-    an optimiser) counts as empty with `calibrate_first_call` (the call calibrates), and
+    an optimizer) counts as empty with `calibrate_first_call` (the call calibrates), and
     otherwise gives no amax, so the previous scale is kept; fp8ax raises on such a state
     wherever it sees its values (an eager call, `fp8ax.calibrate`, `fp8ax.to_serving`,
     `fp8ax.scaling_stats`, `fp8ax.check_state`). The call's own
@@ -148,7 +148,7 @@ class DelayedScaling(AbstractScalingRecipe):
     nothing: the state stays exactly as it was (the call itself still runs, and a NaN
     propagates to its result as it would without FP8).
 
-    `scale` is the *dequantisation* scale: quantise as `x / scale`.
+    `scale` is the *dequantization* scale: quantize as `x / scale`.
     """
 
     # Defaults live in `__init__` only.
@@ -179,7 +179,7 @@ class DelayedScaling(AbstractScalingRecipe):
         - `amax_compute_algo`: `"max"` (the maximum over the history) or `"most_recent"`
           (the newest entry).
         - `calibrate_first_call`: while the history is still empty (the first step), take
-          the amax of the tensor being quantised instead of keeping the initial scale
+          the amax of the tensor being quantized instead of keeping the initial scale
           of one. Without it the first step clips values above the format maximum (448
           for E4M3) and flushes small gradients to zero. `False` gives Haliax's and
           Flax's first step exactly; later scales can differ from theirs in the last bit
@@ -292,7 +292,7 @@ class DelayedScaling(AbstractScalingRecipe):
         amax: Float[Array, ""],
         fp8_max: float,
     ) -> Float[Array, ""]:
-        """The dequantisation scale one call uses, from the state before the call (and,
+        """The dequantization scale one call uses, from the state before the call (and,
         while the history is empty or corrupt and `calibrate_first_call` is set, the
         call's own `amax`). Without `calibrate_first_call`, a history that no fp8ax update
         writes (a negative, NaN or inf entry) gives no amax and the scale stays."""
@@ -388,7 +388,7 @@ class DelayedScaling(AbstractScalingRecipe):
         return plan.used
 
     def quantize_operands(self, operands):
-        # Delayed scaling: the values are quantised with the scale the history gives,
+        # Delayed scaling: the values are quantized with the scale the history gives,
         # and the tensor's amax (for the next state) is computed beside the cast, not
         # before it: nothing in the cast waits for a reduction over the tensor, so a
         # compiler can fuse both into one pass.
@@ -424,7 +424,7 @@ class DelayedScaling(AbstractScalingRecipe):
             seen = op.merge(_formats.amax(op.x))
             if p.calibrates is not None:
                 # A history no fp8ax update writes (a negative, NaN or inf entry: the state
-                # went through an optimiser) calibrates too, so training stays right;
+                # went through an optimizer) calibrates too, so training stays right;
                 # fp8ax raises on it wherever it sees the state's values
                 # (`fp8ax.check_state`).
                 # (A corrupt scale is no fallback for a tensor that observes nothing:

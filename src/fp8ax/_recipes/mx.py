@@ -27,9 +27,9 @@ class MXScaling(AbstractStatelessRecipe):
     and the gradients (MXFP8 as trained in practice); the OCP-style recipe is
     `MXScaling(grad_element="e5m2", scale_rule="floor")`.
 
-    GEMMs with block scales are emulated: the blocks are dequantised (exact in float32)
+    GEMMs with block scales are emulated: the blocks are dequantized (exact in float32)
     and multiplied with float32 accumulation, which is what an MX kernel computes for the
-    same quantised inputs.
+    same quantized inputs.
     """
 
     block_size: int = eqx.field(static=True)

@@ -37,19 +37,19 @@ class NVFP4Scaling(AbstractStatelessRecipe):
       so that a block's largest value lands on E2M1's largest, 6, and the E4M3 scales use
       their whole range. Values are `x / (block_scale * tensor_scale)`, clipped to +-6.
       A block whose E4M3 scale underflows to zero is stored as zeros; a block holding a
-      NaN or inf gets a NaN scale (E2M1 has no NaN), so it dequantises to NaN.
+      NaN or inf gets a NaN scale (E2M1 has no NaN), so it dequantizes to NaN.
     - Weights (`two_d_weights=True`): one scale per 16x16 block, so the forward GEMM and
-      the input gradient's GEMM use the same quantised weight.
+      the input gradient's GEMM use the same quantized weight.
     - Weight gradient (`hadamard=True`): both of its operands (the activation and the
       output gradient) are multiplied along the contraction (the tokens), 16 elements at
       a time, by the same random orthogonal matrix `H diag(s) / 4` before they are
-      quantised, which spreads outliers over their block without changing the GEMM in
+      quantized, which spreads outliers over their block without changing the GEMM in
       exact arithmetic. `s` comes from `seed`. Skipped when the contraction is not a
       multiple of 16 long.
     - Output gradient (`stochastic_gradients=True`): rounded stochastically to E2M1
       (unbiased); the forward operands round to nearest even.
 
-    GEMMs dequantise the blocks (FP4 times E4M3 is exact in float32 and bfloat16),
+    GEMMs dequantize the blocks (FP4 times E4M3 is exact in float32 and bfloat16),
     multiply with float32 accumulation and then by the two per-tensor scales.
     """
 
@@ -100,7 +100,7 @@ class NVFP4Scaling(AbstractStatelessRecipe):
         return hadamard_16(jax.random.fold_in(jax.random.key(self.seed), 0x48AD)) if self.hadamard else None
 
     def tile_for(self, shape: tuple[int, ...], contracting_axes, role: str) -> tuple[int, ...]:
-        """The tile of an operand of `shape` quantised as `role` for a GEMM that contracts
+        """The tile of an operand of `shape` quantized as `role` for a GEMM that contracts
         `contracting_axes`: 16 consecutive elements of the contraction, and 16 along the
         free axes too for a 2D-blocked weight."""
         extents = run_tiles(shape, contracting_axes, BLOCK)
@@ -120,7 +120,7 @@ class NVFP4Scaling(AbstractStatelessRecipe):
         outer = _amax_scale(_formats.amax(x), E4M3_MAX * E2M1_MAX, False)
         ratio = lax.div(tiled_amax(x, tile), lax.mul(jnp.float32(E2M1_MAX), outer))
         # A block holding a NaN or inf gets a NaN scale (E2M1 has no NaN), so that it
-        # dequantises to NaN and the GEMM's result shows it.
+        # dequantizes to NaN and the GEMM's result shows it.
         ratio = jnp.where(jnp.isfinite(ratio), jnp.minimum(ratio, jnp.float32(E4M3_MAX)), jnp.float32(jnp.nan))
         block = ratio.astype(E4M3)
         scale = lax.mul(block.astype(jnp.float32), outer)  # the decode scale of each block

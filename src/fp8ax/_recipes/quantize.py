@@ -18,7 +18,7 @@ def quantize(
     key=None,
     role: str | None = None,
 ) -> QuantizedArray:
-    """Quantises an array with a recipe, outside any GEMM (for inspection and serving).
+    """Quantizes an array with a recipe, outside any GEMM (for inspection and serving).
 
     **Arguments:**
 
@@ -27,7 +27,7 @@ def quantize(
       [`fp8ax.Int8Scaling`][].
     - `axis`: the axis (or axes) a GEMM would contract: row-wise and int8 scales are
       shared over it, MX blocks run along it. Ignored by tensor-wise scaling.
-    - `grad`: quantise with the recipe's gradient format instead of the forward one.
+    - `grad`: quantize with the recipe's gradient format instead of the forward one.
       (Keyword only argument.)
     - `key`: a PRNG key for stochastic rounding (recipes with `grad_rounding="stochastic"`,
       with `grad=True`). (Keyword only argument.)
@@ -44,7 +44,7 @@ def quantize(
         raise TypeError(
             "`recipe` must be a stateless recipe (`fp8ax.CurrentScaling`, `fp8ax.MXScaling`, `fp8ax.Int8Scaling`), "
             f"got {type(recipe).__name__}. `DelayedScaling` takes its scale from the history of a layer, not from "
-            "one tensor: quantise with `CurrentScaling()` for the same per-tensor scale of a given tensor."
+            "one tensor: quantize with `CurrentScaling()` for the same per-tensor scale of a given tensor."
         )
     if not isinstance(x, jax.Array | np.ndarray) or not jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating):
         raise TypeError(f"`x` must be a floating-point array, got {getattr(x, 'dtype', type(x).__name__)}.")
@@ -59,7 +59,7 @@ def quantize(
     elif role not in ("lhs", "rhs", "grad"):
         raise ValueError(f"`role` must be 'lhs', 'rhs' or 'grad', got {role!r}.")
     elif grad and role != "grad":
-        raise ValueError(f"`grad=True` quantises an output gradient, but `role` is {role!r}.")
+        raise ValueError(f"`grad=True` quantizes an output gradient, but `role` is {role!r}.")
     stochastic = recipe.stochastic(role)
     if stochastic and key is None:
         raise ValueError("`key` is required: the recipe rounds gradients stochastically.")

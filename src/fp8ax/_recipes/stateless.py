@@ -1,13 +1,13 @@
 # Stateless recipes: the scale of a tensor comes from the tensor itself, at every call.
 #
-# A stateless recipe quantises one operand of a GEMM given the axes the GEMM contracts
+# A stateless recipe quantizes one operand of a GEMM given the axes the GEMM contracts
 # (`AbstractStatelessRecipe.quantize_role`). The scale never varies along those axes for
 # "tensor" and "row" granularity, so the GEMM runs on the low-precision values and the
 # scales multiply its result (what an FP8/int8 kernel does). MX block scales vary along
-# the contracting axis; those GEMMs are emulated on the dequantised values (exact in
+# the contracting axis; those GEMMs are emulated on the dequantized values (exact in
 # float32: every element times a power of two), with float32 accumulation.
 #
-# The backward pass quantises again for each backward GEMM, along that GEMM's own
+# The backward pass quantizes again for each backward GEMM, along that GEMM's own
 # contracting axes: the output gradient along the kernel's output features for the input
 # gradient, along the batch for the kernel gradient (rowwise and MX scales differ per
 # GEMM), as TransformerEngine and torchao do.
@@ -29,14 +29,14 @@ Granularity = Literal["tensor", "row"]
 
 
 class AbstractStatelessRecipe(AbstractScalingRecipe):
-    """A recipe whose scales come from the tensor being quantised, at every call.
+    """A recipe whose scales come from the tensor being quantized, at every call.
 
     Modules that use one carry no FP8 state. Concrete recipes are final.
     """
 
     @abc.abstractmethod
     def quantize_role(self, x: Array, contracting_axes: tuple[int, ...], role: str, key=None) -> QuantizedArray:
-        """Quantises `x` as operand `role` (`"lhs"`, `"rhs"` or `"grad"`) of a GEMM that
+        """Quantizes `x` as operand `role` (`"lhs"`, `"rhs"` or `"grad"`) of a GEMM that
         contracts `contracting_axes`, to the role's format (`dtype_for(role)`); `key` is
         the stochastic rounding key of a role with a `rounding_seed` (else None).
 
@@ -47,7 +47,7 @@ class AbstractStatelessRecipe(AbstractScalingRecipe):
     def quantize_operand(self, x, contracting_axes, dtype, *, state=None, key=None, merge=_no_merge):
         del x, contracting_axes, dtype, state, key, merge
         raise TypeError(
-            f"{type(self).__name__} keeps no state and quantises by role: call "
+            f"{type(self).__name__} keeps no state and quantizes by role: call "
             "`quantize_role(x, contracting_axes, role)`, `quantize_operands` with `fp8ax.Operand(..., role=...)`, "
             "or `fp8ax.quantize`."
         )
@@ -59,7 +59,7 @@ class AbstractStatelessRecipe(AbstractScalingRecipe):
                 raise ValueError(f"`state` must be None: {type(self).__name__} keeps no state.")
             if op.role not in ("lhs", "rhs", "grad"):
                 raise ValueError(
-                    f"`Operand.role` must be 'lhs', 'rhs' or 'grad' for {type(self).__name__}, which quantises by "
+                    f"`Operand.role` must be 'lhs', 'rhs' or 'grad' for {type(self).__name__}, which quantizes by "
                     f"role; got {op.role!r}."
                 )
             out.append((self.quantize_role(op.x, op.contracting_axes, op.role, op.key), None))
@@ -79,7 +79,7 @@ def _check_bool(value, name):
 
 
 def _amax_scale(amax, bound: float, power_of_two: bool):
-    """Dequantisation scale `amax / bound`, at least the smallest normal float32 (a
+    """Dequantization scale `amax / bound`, at least the smallest normal float32 (a
     smaller quotient would be flushed to zero: for an amax below `bound * 2**-126`, about
     5.3e-36 for E4M3, the scale is `2**-126` and the values stay below `bound`); 1 where
     the amax is not positive and finite (an all-zero tensor, or one holding a NaN or

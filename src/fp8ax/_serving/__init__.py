@@ -1,6 +1,6 @@
-"""Serving: FP8 layers with their weights quantised once and stored in low precision.
+"""Serving: FP8 layers with their weights quantized once and stored in low precision.
 
-- `codec`: how quantised values are stored so that checkpoints can save them;
+- `codec`: how quantized values are stored so that checkpoints can save them;
 - `ops`: the serving GEMMs (`ServingDotGeneral`, `ServingRaggedDot`), the training
   forward's own GEMM on the stored weight;
 - `layers`: the serving layers (`ServingLinear`, `ServingHaliaxLinear`,

@@ -1,4 +1,4 @@
-# Storing quantised values so that `eqx.tree_serialise_leaves` can save them.
+# Storing quantized values so that `eqx.tree_serialise_leaves` can save them.
 #
 # Storage. `eqx.tree_serialise_leaves` cannot save 8-bit float dtypes (numpy writes them
 # as raw bytes that do not load back), so values are stored as their bit patterns:
@@ -27,7 +27,7 @@ def _storable(dtype: np.dtype, layer: str) -> None:
     if dtype == np.dtype(np.int8) or dtype in _formats.FP8_DTYPES or dtype in (_FP4, _E8M0):
         return
     raise ValueError(
-        f"Layer `{layer}`: its weight is quantised to {dtype}, which `fp8ax.to_serving` cannot store (it stores "
+        f"Layer `{layer}`: its weight is quantized to {dtype}, which `fp8ax.to_serving` cannot store (it stores "
         "FP8, E8M0, FP4 (e2m1) and int8). Exclude the layer from the FP8 conversion, or train it with another "
         "element type."
     )

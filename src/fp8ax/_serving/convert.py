@@ -1,8 +1,8 @@
-# Serving: the weights of FP8 layers quantised once and stored in low precision.
+# Serving: the weights of FP8 layers quantized once and stored in low precision.
 #
-# `to_serving` quantises every FP8 layer's weight with the layer's recipe and state, as
-# the training forward would quantise it, and keeps only the low-precision values and
-# their scale. At a call, the activation is quantised as in training (delayed scaling:
+# `to_serving` quantizes every FP8 layer's weight with the layer's recipe and state, as
+# the training forward would quantize it, and keeps only the low-precision values and
+# their scale. At a call, the activation is quantized as in training (delayed scaling:
 # with the scale the frozen state gives; other recipes: from the activation itself) and
 # the GEMM is the training pipeline's own (`_gemm.run_gemm`), so the output is the
 # training forward's, bit for bit.
@@ -29,8 +29,8 @@ from .. import _haliax
 from .._gemm import (
     Call,
     RaggedCall,
-    quantise_weights,
-    quantising_recipe,
+    quantize_weights,
+    quantizing_recipe,
 )
 from .._model import (
     Fp8DotGeneral,
@@ -84,7 +84,7 @@ def _check_filled(layer: str, dg: Fp8DotGeneral, stacked: str) -> None:
                 "the state as it was, so write it with `model = fp8ax.apply_updates(model, updates, overwrite)`; "
                 f"or (2) the layer never saw a nonzero {what} (it was not trained, or the steps did not reach it): "
                 "run it on a few batches with `fp8ax.calibrate(model, loss_fn, batches)` (post-training "
-                "quantisation: any scalar function of the output will do as `loss_fn`), or exclude the layer "
+                "quantization: any scalar function of the output will do as `loss_fn`), or exclude the layer "
                 "from the FP8 conversion (`Fp8Config(targets=...)`)."
             )
 
@@ -92,16 +92,16 @@ def _check_filled(layer: str, dg: Fp8DotGeneral, stacked: str) -> None:
 class _Frozen(NamedTuple):
     """What serving keeps of one FP8 op's weight."""
 
-    q: QuantizedArray  # the weight quantised as the training forward quantised it
+    q: QuantizedArray  # the weight quantized as the training forward quantized it
     input_scale: Array | None  # frozen from the input's state (a stateful recipe), else None
     scale: Array  # the weight's scale; a 1-byte format (E8M0, E4M3) as its bits
     scale_format: np.dtype
     weight_dtype: np.dtype  # the training weight's dtype
 
 
-def _freeze(layer: str, op: Fp8DotGeneral, w: Array, quantise, n_batch: int, check: bool, stacked: str) -> _Frozen:
+def _freeze(layer: str, op: Fp8DotGeneral, w: Array, quantize, n_batch: int, check: bool, stacked: str) -> _Frozen:
     """The serving form of the weight `w` of the FP8 op `op` (dense or grouped: `n_batch`
-    leading stacked dims), quantised by `quantise(w, state)` under `vmap` over the
+    leading stacked dims), quantized by `quantize(w, state)` under `vmap` over the
     stacked dims, and the input scale frozen from the op's state."""
     st = op.settings  # what the training forward ran
     what = "expert weights" if isinstance(op, Fp8RaggedDot) else "weight"
@@ -124,11 +124,11 @@ def _freeze(layer: str, op: Fp8DotGeneral, w: Array, quantise, n_batch: int, che
     if delayed and check:
         _check_filled(layer, op, stacked)
     state = tuple(jax.tree.leaves(op.rhs)) if delayed else None
-    q = eqx.filter_jit(_vmapped(quantise, n_batch))(w, state)
+    q = eqx.filter_jit(_vmapped(quantize, n_batch))(w, state)
     _storable(np.dtype(q.values.dtype), layer)
     input_scale = None
     if delayed:
-        lhs_dtype = quantising_recipe(st, "lhs").dtype_for("lhs")
+        lhs_dtype = quantizing_recipe(st, "lhs").dtype_for("lhs")
 
         def frozen(state):
             return st.recipe.serving_scale(state, lhs_dtype)
@@ -147,13 +147,13 @@ def _convert_gemm(
     """The stored weight (encoded) and the serving dot general of one FP8 GEMM whose
     weight `w` (`n_batch` leading stacked dims) the training forward passes as `rhs`,
     contracting `contracting` (axes of one stacked entry)."""
-    recipe = quantising_recipe(dg.settings, "rhs")  # `_freeze` refuses a weight kept in high precision
+    recipe = quantizing_recipe(dg.settings, "rhs")  # `_freeze` refuses a weight kept in high precision
 
-    def quantise(w, state):
+    def quantize(w, state):
         op = Operand(w, tuple(contracting), recipe.dtype_for("rhs"), state, role="rhs")
         return recipe.quantize_operands([op])[0][0]
 
-    f = _freeze(layer, dg, w, quantise, n_batch, check, stacked)
+    f = _freeze(layer, dg, w, quantize, n_batch, check, stacked)
     serving = ServingDotGeneral(
         weight_scale=f.scale,
         input_scale=f.input_scale,
@@ -220,15 +220,15 @@ def _convert_moe(layer: str, lin: Fp8MoELinear, check: bool) -> ServingMoELinear
     w = lin.weight.rearrange((*batch, *own)).array
     weight_dtype = np.dtype(w.dtype)
 
-    def quantise(w, state):
+    def quantize(w, state):
         dims = (((1,), (1,)), ((), ()))
         call = Call(
             rg.settings, dims, weight_dtype, np.dtype(w.dtype), weight_dtype, None, (), frozenset(), frozenset()
         )
-        return quantise_weights(RaggedCall(call, rg.per_expert_weights, rg.per_group_tokens), w, (1,), state, None)[0]
+        return quantize_weights(RaggedCall(call, rg.per_expert_weights, rg.per_group_tokens), w, (1,), state, None)[0]
 
     stacked = f"the stacked axes {tuple(batch)} and experts {lin.Experts}"
-    f = _freeze(layer, rg, w, quantise, len(batch), check, stacked)
+    f = _freeze(layer, rg, w, quantize, len(batch), check, stacked)
     if f.q.outer_scale is not None:
         raise ValueError(
             f"Layer `{layer}`: `fp8ax.to_serving` does not serve grouped GEMMs with two-level scales (NVFP4) yet; "
@@ -304,7 +304,7 @@ def _convert(model, check: bool):
 
 def to_serving(model: T) -> T:
     """Converts a model trained (or calibrated) in FP8 for serving: each FP8 layer's
-    weight is quantised once, with the layer's recipe and state, and stored in low
+    weight is quantized once, with the layer's recipe and state, and stored in low
     precision. The float weight is not kept.
 
     - An [`fp8ax.Fp8Linear`][] becomes an [`fp8ax.ServingLinear`][]; a
@@ -314,7 +314,7 @@ def to_serving(model: T) -> T:
     - Stored: FP8 values (as uint8 bits) for FP8 recipes, int8 values for
       [`fp8ax.Int8Scaling`][], elements and E8M0 scales for [`fp8ax.MXScaling`][], with
       the weight's scale in float32 (tensor and row scales).
-    - Activations are quantised at every call as in training. Delayed scaling: with the
+    - Activations are quantized at every call as in training. Delayed scaling: with the
       scale the layer's state gives now (the state is frozen; serving updates nothing).
       Other recipes: from the activation itself.
 

@@ -23,7 +23,7 @@ from .ops import ServingDotGeneral, ServingRaggedDot
 
 class ServingLinear(eqx.Module):
     """The serving form of an [`fp8ax.Fp8Linear`][] (an `equinox.nn.Linear` trained in
-    FP8): the weight is stored quantised, as `weight` (encoded: uint8 bits for FP8, int8
+    FP8): the weight is stored quantized, as `weight` (encoded: uint8 bits for FP8, int8
     for int8) and the scale in `dot_general`.
 
     Built by [`fp8ax.to_serving`][]. Called like `equinox.nn.Linear` (leading batch
@@ -56,7 +56,7 @@ class ServingLinear(eqx.Module):
 
 class ServingHaliaxLinear(eqx.Module):
     """The serving form of a `haliax.nn.Linear` trained in FP8: `weight` is a
-    `NamedArray` with the original weight's axes holding the quantised values (encoded:
+    `NamedArray` with the original weight's axes holding the quantized values (encoded:
     uint8 bits for FP8, int8 for int8), the scale is in `dot_general`.
 
     Built by [`fp8ax.to_serving`][]. Called like `haliax.nn.Linear`; returns what the
@@ -102,7 +102,7 @@ class ServingHaliaxLinear(eqx.Module):
 
 class ServingMoELinear(eqx.Module):
     """The serving form of a `haliax.nn.MoELinear` trained in FP8 ([`fp8ax.Fp8MoELinear`][]):
-    `weight` holds the quantised expert weights (encoded as for
+    `weight` holds the quantized expert weights (encoded as for
     [`fp8ax.ServingHaliaxLinear`][]), laid out `(..., Experts, In, Out)`; the scales are in
     `ragged`. Called like `haliax.nn.MoELinear`; returns what the training layer
     returned, bit for bit. Built by [`fp8ax.to_serving`][]."""

@@ -1,5 +1,5 @@
 # The serving GEMMs: `ServingDotGeneral` and `ServingRaggedDot`, the training forward's
-# GEMM on a weight quantised once (`_gemm.run_gemm`, and the grouped `ragged_gemm`), so
+# GEMM on a weight quantized once (`_gemm.run_gemm`, and the grouped `ragged_gemm`), so
 # a served output equals the training forward's, bit for bit.
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from .._gemm import (
     GemmSettings,
     RaggedCall,
     group_ids,
-    quantise,
-    quantise_tokens,
-    quantising_recipe,
+    quantize,
+    quantize_tokens,
+    quantizing_recipe,
     ragged_gemm,
     ragged_out_dtype,
     run_gemm,
@@ -50,7 +50,7 @@ class _Serve(NamedTuple):
     call: Call
     role: Literal["lhs", "rhs"]  # which operand of the dot general is the stored weight
     layer: str
-    tile: tuple[int, ...] | None  # the quantised weight's layout (QuantizedArray's static fields)
+    tile: tuple[int, ...] | None  # the quantized weight's layout (QuantizedArray's static fields)
     int_exponent: int
     scale_format: np.dtype  # the weight scale's dtype before storage (stored as uint8 bits if 8-bit)
 
@@ -62,10 +62,10 @@ def _serve(s: _Serve, x, w_values, w_scale, x_scale, w_outer):
     x_role = "rhs" if s.role == "lhs" else "lhs"
     x_axes = rc if s.role == "lhs" else lc
     if x_scale is not None:  # delayed scaling: the frozen activation scale
-        dtype = quantising_recipe(st, x_role).fwd_dtype
+        dtype = quantizing_recipe(st, x_role).fwd_dtype
         qx = QuantizedArray(_formats.quantize(x, x_scale, dtype), x_scale)
     else:
-        qx, _ = quantise(call, x_role, x, x_axes)
+        qx, _ = quantize(call, x_role, x, x_axes)
     if np.dtype(w_scale.dtype) == np.dtype(np.uint8):
         w_scale = lax.bitcast_convert_type(w_scale, s.scale_format)
     qw = QuantizedArray(w_values, w_scale, s.tile, s.int_exponent, outer_scale=w_outer)
@@ -86,7 +86,7 @@ def _serving_gemm_jvp(s, primals, tangents):
     raise TypeError(
         f"Layer `{s.layer}` is a serving layer (`fp8ax.to_serving`): its weight is stored in low precision and "
         f"it cannot be differentiated (a derivative reached {' and '.join(what) or 'it'}). A gradient through "
-        "quantised weights would be silently wrong or zero. Differentiate (train, fine-tune) the training model "
+        "quantized weights would be silently wrong or zero. Differentiate (train, fine-tune) the training model "
         "that `fp8ax.to_serving` was called on instead, and convert again."
     )
 
@@ -101,10 +101,10 @@ def _is_low_precision(dtype) -> bool:
 
 class ServingDotGeneral(eqx.Module):
     """The dot general of a serving layer: one operand is the layer's stored
-    low-precision weight, the other (the activation) is quantised at every call.
+    low-precision weight, the other (the activation) is quantized at every call.
 
     Built by [`fp8ax.to_serving`][]; it computes exactly what the training layer's
-    [`fp8ax.Fp8DotGeneral`][] computed in its forward pass, from the weight's quantised
+    [`fp8ax.Fp8DotGeneral`][] computed in its forward pass, from the weight's quantized
     values instead of the weight. It holds the weight's scale (`weight_scale`), and for
     delayed scaling the activation scale frozen at conversion (`input_scale`; `None` for
     recipes that scale the activation from itself). It updates no state and cannot be
@@ -163,7 +163,7 @@ class ServingDotGeneral(eqx.Module):
                 raise ValueError(
                     f"Layer `{self.layer}`: `hax.dot` passed the weight as the first operand of the dot general "
                     "(it does when the input shares a non-contracted axis with the weight), so in training the "
-                    "weight was quantised as the activation (`lhs`) and the activation as the weight, with the "
+                    "weight was quantized as the activation (`lhs`) and the activation as the weight, with the "
                     "other operand's state or recipe. A serving layer cannot reproduce that: serve this layer "
                     "with a stateless recipe and one recipe for both operands, or exclude it from the FP8 "
                     "conversion."
@@ -234,9 +234,9 @@ def _serving_ragged(s: _ServeRagged, x, w_values, w_scale, x_scale, group_sizes)
     if x_scale is not None:  # delayed scaling: the frozen activation scale (per tensor, or per group)
         if s.per_group:
             x_scale = x_scale[group_ids(group_sizes, x.shape[0])][:, None]
-        qx = QuantizedArray(_formats.quantize(x, x_scale, quantising_recipe(call.settings, "lhs").fwd_dtype), x_scale)
+        qx = QuantizedArray(_formats.quantize(x, x_scale, quantizing_recipe(call.settings, "lhs").fwd_dtype), x_scale)
     else:
-        qx, _ = quantise_tokens(rc, "lhs", x, (1,), None, None, group_sizes)
+        qx, _ = quantize_tokens(rc, "lhs", x, (1,), None, None, group_sizes)
     if np.dtype(w_scale.dtype) == np.dtype(np.uint8):
         w_scale = lax.bitcast_convert_type(w_scale, s.scale_format)
     qw = QuantizedArray(w_values, w_scale, s.tile, s.int_exponent)
@@ -258,7 +258,7 @@ _serving_ragged.defjvp(_serving_ragged_jvp, symbolic_zeros=True)
 class ServingRaggedDot(eqx.Module):
     """The grouped GEMM of a serving mixture-of-experts layer ([`fp8ax.ServingMoELinear`][]):
     the expert weights' scales (`weight_scale`: one per tensor, per expert or per block,
-    as the recipe quantised them in training) and, for delayed scaling, the activation
+    as the recipe quantized them in training) and, for delayed scaling, the activation
     scale frozen at conversion (`input_scale`). Built by [`fp8ax.to_serving`][]."""
 
     weight_scale: Array
