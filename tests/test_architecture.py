@@ -64,7 +64,7 @@ UNITS = [
     ],
 ]
 # Recipe modules that are not a recipe: the interface, the stateless base and `quantize`.
-RECIPE_SUPPORT = {"__init__", "base", "stateless", "quantize"}
+RECIPE_SUPPORT = {"__init__", "base", "stateless", "applied"}
 # Modules that may import a concrete recipe: the public API, and the default setting.
 NAMES_A_RECIPE = {"__init__", "_gemm.settings"}
 JAX_SRC = {"_boundaries", "_maxgrad"}
@@ -222,6 +222,39 @@ def private_crossings(source: dict[str, str]) -> list[str]:
     return sorted(out)
 
 
+def _exports(source: dict[str, str], package: str) -> set[str]:
+    """The names a subpackage's `__init__.py` binds: what the rest of fp8ax may use."""
+    names = set()
+    for node in ast.walk(ast.parse(source[f"{package}.__init__"])):
+        if isinstance(node, ast.ImportFrom | ast.Import):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.FunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return names
+
+
+def past_the_door(source: dict[str, str]) -> list[str]:
+    """Another unit's subpackage is used through its `__init__.py` only, and only for
+    what that `__init__.py` binds. (The public `fp8ax/__init__.py` and the default setting
+    import the concrete recipes they name: see `recipe_leaks`.)"""
+    packages = {m.rsplit(".", 1)[0] for m in source if m.endswith(".__init__") and "." in m}
+    concrete = _concrete_recipes(source)
+    out = []
+    for m, imp in _all_imports(source).items():
+        for d in imp.modules:
+            if _unit(d) == _unit(m) or _unit(d) not in packages or d == _unit(d):
+                continue
+            if not (d in concrete and (m == "__init__" or m in NAMES_A_RECIPE)):
+                out.append(f"{m} imports {d}, past `{_unit(d)}/__init__.py`")
+        for frm, name in imp.names + imp.attributes:
+            if _unit(frm) != _unit(m) and frm in packages and name not in _exports(source, frm):
+                out.append(f"{m} uses {frm}.{name}, which `{frm}/__init__.py` does not export")
+    return sorted(out)
+
+
 def _concrete_recipes(source: dict[str, str]) -> set[str]:
     return {m for m in source if _unit(m) == "_recipes" and "." in m and m.split(".", 1)[1] not in RECIPE_SUPPORT}
 
@@ -282,6 +315,10 @@ def test_no_private_name_crosses_units():
     assert not private_crossings(_source())
 
 
+def test_subpackages_are_used_through_their_door():
+    assert not past_the_door(_source())
+
+
 def test_recipes_are_leaves():
     source = _source()
     assert {m.split(".")[1] for m in _concrete_recipes(source)} >= {"delayed", "current", "mx", "nvfp4"}
@@ -321,6 +358,9 @@ def _plant(module: str, line: str) -> dict[str, str]:
         (upward, "_recipes.delayed", "from .._gemm import GemmSettings"),
         (private_crossings, "_update", "from ._state import _private_helper"),
         (private_crossings, "_inspect.stats", "from .. import _formats\nx = _formats._hidden"),
+        (past_the_door, "_model.dot_general", "from .._gemm.dense import quantized_dot"),
+        (past_the_door, "_update", "from ._gemm import Role"),
+        (past_the_door, "_serving.ops", "from .. import _gemm\nx = _gemm.passes"),
         (recipe_leaks, "_recipes.mx", "from .delayed import DelayedScaling"),
         (recipe_leaks, "_update", "from ._recipes.current import CurrentScaling"),
         (recipe_leaks, "_recipes.__init__", "from .nvfp4 import NVFP4Scaling"),

@@ -23,6 +23,7 @@ from ._recipes import (
     AbstractScalingRecipe as AbstractScalingRecipe,
     AbstractStatelessRecipe as AbstractStatelessRecipe,
     Operand as Operand,
+    quantize as quantize,
 )
 from ._recipes.blockwise import BlockwiseScaling as BlockwiseScaling
 from ._recipes.current import CurrentScaling as CurrentScaling
@@ -30,7 +31,6 @@ from ._recipes.delayed import DelayedScaling as DelayedScaling
 from ._recipes.int8 import Int8Scaling as Int8Scaling
 from ._recipes.mx import MXScaling as MXScaling
 from ._recipes.nvfp4 import NVFP4Scaling as NVFP4Scaling
-from ._recipes.quantize import quantize as quantize
 
 # isort: split
 # modules and state

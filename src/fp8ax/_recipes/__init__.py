@@ -8,10 +8,11 @@
   package's public `__init__` and the default setting (`DelayedScaling`, in the GEMM
   settings) import a concrete recipe: adding one touches its module, one line of the
   public `__init__`, its test registry entry, its tests and its docs section.
-- `quantize`: the public `fp8ax.quantize`, a recipe applied outside any GEMM.
+- `applied`: the public `fp8ax.quantize`, a recipe applied outside any GEMM.
 
 The interface the rest of fp8ax uses is exported here.
 """
 
+from .applied import quantize as quantize
 from .base import AbstractScalingRecipe as AbstractScalingRecipe, NewState as NewState, Operand as Operand
 from .stateless import AbstractStatelessRecipe as AbstractStatelessRecipe
