@@ -44,13 +44,9 @@ def _scale(amax, fp8_max):
     return jnp.where(ok, jnp.maximum(amax * np.float32(1 / fp8_max), _TINY), jnp.float32(1))
 
 
-class RunningMaxScaling(fp8ax.AbstractScalingRecipe):
+class RunningMaxScaling(fp8ax.AbstractStatefulRecipe):
     fwd_dtype: np.dtype = eqx.field(static=True, default=np.dtype(jnp.float8_e4m3fn))
     grad_dtype: np.dtype = eqx.field(static=True, default=np.dtype(jnp.float8_e5m2))
-
-    @property
-    def stateful(self):
-        return True
 
     @property
     def scale_layout(self):

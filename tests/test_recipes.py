@@ -358,12 +358,14 @@ def test_overriding_stochastic_instead_of_rounding_seed_is_an_error():
 
 
 def test_a_stateless_recipe_quantizes_by_role():
-    # Its one method is `quantize_role`; the stateful entry point and a role-less operand
-    # are refused with the call to make instead (no format is read back into a role).
+    # Its one method is `quantize_role`; it has no stateful entry point (the state's
+    # members are `AbstractStatefulRecipe`'s), and a role-less operand is refused with
+    # the call to make instead (no format is read back into a role).
     x = jnp.ones((4, 8))
     recipe = fp8ax.MXScaling(4, "e4m3", "e5m2")
-    with pytest.raises(TypeError, match="quantizes by role: call `quantize_role"):
-        recipe.quantize_operand(x, (1,), recipe.fwd_dtype)
+    for member in ("quantize_operand", "plan", "planned_scale", "state_observed", "serving_scale", "state_stats"):
+        assert not hasattr(recipe, member), member
+    assert recipe.init_state() is None and not recipe.stateful
     with pytest.raises(ValueError, match="`Operand.role` must be 'lhs', 'rhs' or 'grad'"):
         recipe.quantize_operands([fp8ax.Operand(x, (1,), recipe.grad_dtype)])
     # Told the role, MX picks the gradient's element type from it.

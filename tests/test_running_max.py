@@ -122,7 +122,7 @@ def test_a_recipe_without_serving_scale_is_refused_by_name(getkey):
         fp8ax.to_serving(model)
 
 
-class _Wrapped(fp8ax.AbstractScalingRecipe):
+class _Wrapped(fp8ax.AbstractStatefulRecipe):
     """RunningMaxScaling as a user's half-written recipe: no `serving_scale`, and one
     mistake (`broken`)."""
 
@@ -147,8 +147,6 @@ class _Wrapped(fp8ax.AbstractScalingRecipe):
         return q, new
 
     def state_observed(self, state):
-        if self.broken == "no state_observed":
-            return super().state_observed(state)
         return self.inner.state_observed(state)
 
 
@@ -175,11 +173,37 @@ def test_a_half_written_recipe_fails_where_it_is_wrong(broken, error, match, get
         jax.grad(lambda x: jnp.sum(dg(x, w, (((1,), (0,)), ((), ())))))(x)
 
 
-def test_a_stateful_recipe_without_state_observed_says_so(getkey):
-    model = fp8ax.fp8_linear_layers(
-        eqx.nn.MLP(16, 8, 32, 1, key=getkey()), fp8ax.Fp8Config(recipe=_Wrapped("no state_observed"))
-    )
-    # Training never asks (one program, whatever the state holds); what reads the state does.
-    model = adam_trained(model, _loss(jax.random.normal(getkey(), (8, 16))), 1)
-    with pytest.raises(NotImplementedError, match=r"_Wrapped defines no `state_observed`"):
-        fp8ax.check_state(model, written=True)
+def test_a_stateful_recipe_without_state_observed_says_so():
+    # `init_state`, `quantize_operand` and `state_observed` are what a stateful recipe
+    # must define: without one it is not built.
+    class _Unobserved(fp8ax.AbstractStatefulRecipe):
+        fwd_dtype = property(lambda self: np.dtype(jnp.float8_e4m3fn))
+        grad_dtype = property(lambda self: np.dtype(jnp.float8_e5m2))
+        scale_layout = property(lambda self: "tensor")
+
+        def init_state(self, batch_shape=()):
+            return RunningMaxScaling().init_state(batch_shape)
+
+        def quantize_operand(self, *args, **kwargs):
+            return RunningMaxScaling().quantize_operand(*args, **kwargs)
+
+    with pytest.raises(TypeError, match="state_observed"):
+        _Unobserved()
+
+
+def test_a_stateful_recipe_on_the_stateless_contract_is_refused_by_name():
+    # The state's members live on `AbstractStatefulRecipe`; a recipe that says it keeps
+    # state but derives from the common base is told which base to use.
+    class _OnTheCommonBase(fp8ax.AbstractScalingRecipe):
+        fwd_dtype = property(lambda self: np.dtype(jnp.float8_e4m3fn))
+        grad_dtype = property(lambda self: np.dtype(jnp.float8_e5m2))
+        stateful = property(lambda self: True)
+        scale_layout = property(lambda self: "tensor")
+
+        def quantize_operands(self, operands):
+            return RunningMaxScaling().quantize_operands(operands)
+
+    with pytest.raises(
+        TypeError, match=r"_OnTheCommonBase keeps state .*derive it from `fp8ax.AbstractStatefulRecipe`"
+    ):
+        _OnTheCommonBase()

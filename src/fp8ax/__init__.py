@@ -21,6 +21,7 @@ from ._model import Fp8Config as Fp8Config
 # recipes
 from ._recipes import (
     AbstractScalingRecipe as AbstractScalingRecipe,
+    AbstractStatefulRecipe as AbstractStatefulRecipe,
     AbstractStatelessRecipe as AbstractStatelessRecipe,
     Operand as Operand,
     quantize as quantize,

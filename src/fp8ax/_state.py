@@ -20,7 +20,7 @@ class AbstractState:
     """Base class of a stateful recipe's per-operand state: a fixed set of named float32
     arrays.
 
-    A stateful recipe (see [`fp8ax.AbstractScalingRecipe`][]) returns one of these from
+    A stateful recipe (see [`fp8ax.AbstractStatefulRecipe`][]) returns one of these from
     `init_state` for each operand of a GEMM. fp8ax never reads the arrays' meaning: the
     GEMM pipeline hands the recipe its state as a tuple of arrays in `fields` order, and
     serving, `scaling_stats`, `plot_amax_history`, `calibrate` and `apply_updates` ask the

@@ -42,4 +42,5 @@ from .settings import (
     SettingsView as SettingsView,
     quantizing_recipe as quantizing_recipe,
     settings_from as settings_from,
+    stateful_recipe as stateful_recipe,
 )

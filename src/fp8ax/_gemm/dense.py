@@ -50,7 +50,7 @@ from .operands import (
 )
 from .passes import once_per_signature, state_in, state_out
 from .residuals import keep, kept
-from .settings import Role, quantizing_recipe
+from .settings import Role, stateful_recipe
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -129,9 +129,7 @@ def _backward(call: Call, residuals, g):
     if _grad_once(call):
         shared_g, new_g = quantize(call, "grad", g, lay.g_rfree, g_state, plan=g_plan)
     g_planned = (
-        g_plan is not None
-        and shared_g is not None
-        and (shared_g.scale is quantizing_recipe(st, "grad").planned_scale(g_plan))
+        g_plan is not None and shared_g is not None and (shared_g.scale is stateful_recipe(st).planned_scale(g_plan))
     )
     if not g_planned:
         dlhs_scale = drhs_scale = None

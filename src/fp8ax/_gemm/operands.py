@@ -16,7 +16,7 @@ from .._maxgrad import as_f32, merged_amax
 from .._quantized import QuantizedArray
 from .._recipes import Operand
 from .._rounding import content_key
-from .settings import GemmSettings, Role, quantizing_recipe
+from .settings import GemmSettings, Role, quantizing_recipe, stateful_recipe
 
 ROLES: tuple[Role, ...] = ("lhs", "rhs", "grad")
 
@@ -172,9 +172,9 @@ def _role_dtype(call: Call, role: Role) -> np.dtype:
 
 
 def _planned_scales(call: Call, plans: dict) -> dict:
-    """Each role's planned scale (`AbstractScalingRecipe.planned_scale`), None where
+    """Each role's planned scale (`AbstractStatefulRecipe.planned_scale`), None where
     the role has no plan or its recipe plans no scale."""
-    return {r: None if plans[r] is None else quantizing_recipe(call.settings, r).planned_scale(plans[r]) for r in ROLES}
+    return {r: None if plans[r] is None else stateful_recipe(call.settings).planned_scale(plans[r]) for r in ROLES}
 
 
 def _is_fp8(dtype) -> bool:
@@ -187,7 +187,7 @@ def _is_16_bit_float(dtype) -> bool:
 
 
 def _plans(call: Call, states: dict) -> tuple[dict, dict]:
-    """Each stateful operand's plan (see `AbstractScalingRecipe.plan`): a recipe plans
+    """Each stateful operand's plan (see `AbstractStatefulRecipe.plan`): a recipe plans
     the operands it quantizes with state in this call, forward ones and the gradient,
     together, in the forward pass.
 
@@ -204,8 +204,10 @@ def _plans(call: Call, states: dict) -> tuple[dict, dict]:
         roles = [r for r in roles if r == "grad"]
     if not _grad_once(call):
         roles = [r for r in roles if r != "grad"]
-    for recipe, idx in _by_recipe(call, roles):
-        planned = recipe.plan([states[roles[i]] for i in idx], [_role_dtype(call, roles[i]) for i in idx])
+    for _, idx in _by_recipe(call, roles):  # (a state's recipe is the settings' own)
+        planned = stateful_recipe(call.settings).plan(
+            [states[roles[i]] for i in idx], [_role_dtype(call, roles[i]) for i in idx]
+        )
         plans.update((roles[i], p) for i, p in zip(idx, planned))
     scales = _planned_scales(call, plans)
     if all(s is None for s in scales.values()):

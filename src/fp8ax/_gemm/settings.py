@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._recipes import AbstractScalingRecipe, AbstractStatelessRecipe
+from .._recipes import AbstractScalingRecipe, AbstractStatefulRecipe, AbstractStatelessRecipe
 from .._recipes.delayed import DelayedScaling
 from .._tensor_core import EmulatedAccumulation
 
@@ -231,6 +231,16 @@ def quantizing_recipe(settings: GemmSettings, role: Role) -> AbstractScalingReci
     """`settings.operand_recipe(role)` where the caller knows that operand is quantized
     (it has a plan, a state or a quantized form, or the caller checked): never None."""
     return cast(AbstractScalingRecipe, settings.operand_recipe(role))
+
+
+def stateful_recipe(settings: GemmSettings) -> AbstractStatefulRecipe:
+    """`settings.recipe` where the caller holds a state (or a plan) of it: a stateful
+    recipe, which quantizes every operand (per-operand recipes and high-precision GEMMs
+    need a stateless one)."""
+    recipe = settings.recipe
+    if not isinstance(recipe, AbstractStatefulRecipe):
+        raise TypeError(f"{type(recipe).__name__} keeps no state: it has no state to read or plan from.")
+    return recipe
 
 
 # The names of GemmSettings' fields.

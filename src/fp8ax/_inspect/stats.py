@@ -24,7 +24,7 @@ import numpy as np
 from jaxtyping import Array
 
 from .. import _formats, _haliax
-from .._gemm import bwd_layout
+from .._gemm import bwd_layout, stateful_recipe
 from .._maxgrad import merged_amax
 from .._model import Fp8DotGeneral, Fp8Linear, Fp8RaggedDot, haliax_batch_shape, path_str
 from .._quantized import QuantizedArray
@@ -246,7 +246,7 @@ def scaling_stats(model: Any, fn: Callable | None = None, *args, **kwargs) -> di
 
     For every [`fp8ax.Fp8DotGeneral`][] with a stateful recipe, and each of its three
     tensors `lhs` (input), `rhs` (weight) and `grad` (output gradient), the numbers its
-    recipe reads from the state (`AbstractScalingRecipe.state_stats`); for
+    recipe reads from the state (`AbstractStatefulRecipe.state_stats`); for
     [`fp8ax.DelayedScaling`][]:
 
     - `"{path}/{tensor}/scale"`: the dequantization scale its last call used;
@@ -310,7 +310,7 @@ def scaling_stats(model: Any, fn: Callable | None = None, *args, **kwargs) -> di
             state = getattr(dg, role)
             if state is not None:
                 fields = tuple(_concrete(v, "scaling_stats") for v in jax.tree.leaves(state))
-                numbers[role] = dg.settings.recipe.state_stats(fields)  # the recipe reads its own state
+                numbers[role] = stateful_recipe(dg.settings).state_stats(fields)  # the recipe reads its own state
         if not numbers:
             continue
         for index in np.ndindex(*_state_shape(dg)):  # one entry per stacked layer
@@ -421,7 +421,7 @@ def plot_amax_history(
             if state is None:
                 continue
             fields = tuple(_concrete(v, "plot_amax_history") for v in jax.tree.leaves(state))
-            history = dg.settings.recipe.state_history(fields)
+            history = stateful_recipe(dg.settings).state_history(fields)
             if history is None:
                 continue
             for index in np.ndindex(*history.shape[:-1]):

@@ -24,6 +24,7 @@ from .._gemm import (
     explicitly_sharded,
     quantized_dot,
     settings_from,
+    stateful_recipe,
 )
 from .._maxgrad import is_max, note_called, to_f32
 from .._recipes import AbstractScalingRecipe
@@ -178,7 +179,7 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
         concrete arrays only. Empty for a stateless recipe."""
         if self.lhs is None:
             return []
-        recipe = self.settings.recipe
+        recipe = stateful_recipe(self.settings)
         out = []
         for role in ("lhs", "rhs", "grad"):
             fields = tuple(jax.tree.leaves(getattr(self, role)))

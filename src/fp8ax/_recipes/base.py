@@ -9,6 +9,7 @@
 # otherwise compute per operand: delayed scaling stacks the operands' states and reduces
 # their histories together.
 
+import abc
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, cast
 
@@ -64,21 +65,21 @@ def _as_operands(operands) -> list[Operand]:
 
 
 class AbstractScalingRecipe(eqx.Module):
-    """How a low-precision dot general quantizes its operands: the one interface of every
-    fp8ax recipe.
+    """How a low-precision dot general quantizes its operands: what every fp8ax recipe
+    answers.
 
     A recipe is configuration only (all of its fields are static). It names the formats
     of the forward operands and of the output gradient (`fwd_dtype`, `grad_dtype`), the
-    layout of its scales (`scale_layout`), and implements one method,
-    `quantize_operand`: quantize one GEMM operand along the axes that GEMM contracts,
-    reading the operand's state and returning the new one if the recipe keeps state.
+    layout of its scales (`scale_layout`), and quantizes the operands of one GEMM call
+    (`quantize_operands`). A recipe derives from one of two bases:
 
-    - *stateful* recipes ([`fp8ax.DelayedScaling`][]) also implement `init_state`: the
-      scale comes from a state that training writes back through the gradient (see
-      [`fp8ax.apply_updates`][]);
-    - *stateless* recipes ([`fp8ax.AbstractStatelessRecipe`][]: current, MX, int8)
-      implement `quantize_role`: the scale comes from the tensor itself, and modules carry no
-      state.
+    - [`fp8ax.AbstractStatelessRecipe`][] (current, MX, int8, blockwise, NVFP4): the scale
+      comes from the tensor itself; it implements `quantize_role`, and modules carry no
+      state;
+    - [`fp8ax.AbstractStatefulRecipe`][] ([`fp8ax.DelayedScaling`][]): the scale comes
+      from a state that training writes back through the gradient (see
+      [`fp8ax.apply_updates`][]); it implements `init_state`, `quantize_operand` and the
+      questions the rest of fp8ax asks about a state.
 
     Concrete recipes are final: to change one, wrap it rather than subclass it.
     """
@@ -128,6 +129,12 @@ class AbstractScalingRecipe(eqx.Module):
         return self.rounding_seed(role) is not None
 
     def __check_init__(self):
+        if self.stateful and not isinstance(self, AbstractStatefulRecipe):
+            raise TypeError(
+                f"{type(self).__name__} keeps state (`stateful` is True): derive it from `fp8ax.AbstractStatefulRecipe`, "
+                "which adds the state's members (`init_state`, `quantize_operand`, `state_observed`, ...), instead of "
+                "`fp8ax.AbstractScalingRecipe`."
+            )
         if type(self).stochastic is not AbstractScalingRecipe.stochastic:
             raise TypeError(
                 f"{type(self).__name__} overrides `stochastic`; define `rounding_seed(role)` instead (the seed the "
@@ -144,26 +151,50 @@ class AbstractScalingRecipe(eqx.Module):
         return None
 
     def init_state(self, batch_shape: tuple[int, ...] = ()) -> AbstractState | None:
-        """Fresh state for one operand (`batch_shape` for stacked layers): an instance of
-        the recipe's own [`fp8ax.AbstractState`][] subclass; None for a stateless recipe.
-
-        A stateful recipe owns its state type: the GEMM pipeline passes the state's arrays
-        (in its `fields` order) to `plan` and `quantize_operand(s)` as a tuple, and the
-        rest of fp8ax asks the recipe about them with the methods below, which receive
-        the same tuple of concrete (NumPy) or traced float32 arrays, with the stacked-layer
-        dimensions in front."""
+        """Fresh state for one operand (`batch_shape` for stacked layers), or None for a
+        stateless recipe (this default): see [`fp8ax.AbstractStatefulRecipe`][]."""
         del batch_shape
         return None
 
+    @abc.abstractmethod
+    def quantize_operands(self, operands: Sequence[Operand]) -> list[tuple[QuantizedArray, NewState]]:
+        """Quantizes the operands of one GEMM call (each an [`fp8ax.Operand`][]: the
+        tensor, the axes its GEMM contracts, its format, and its state, key, role and plan
+        as the recipe needs them), returning `(quantized, new_state)` for each, in order:
+        a [`fp8ax.QuantizedArray`][] and, for a stateful recipe, the operand's new state
+        (None otherwise). What the GEMM pipeline calls."""
+
+
+class AbstractStatefulRecipe(AbstractScalingRecipe):
+    """A recipe whose scales come from a state that training writes back: the state's
+    members on top of [`fp8ax.AbstractScalingRecipe`][]'s.
+
+    It implements `init_state` (a fresh state, an instance of the recipe's own
+    [`fp8ax.AbstractState`][] subclass), `quantize_operand` (one operand with its state,
+    returning the new one) and `state_observed`; the rest have defaults. The GEMM pipeline
+    passes the state's arrays (in its `fields` order) to `plan` and `quantize_operand(s)`
+    as a tuple, and the rest of fp8ax asks the recipe about them with the `state_*`
+    methods and `serving_scale`, which receive the same tuple of concrete (NumPy) or
+    traced float32 arrays, with the stacked-layer dimensions in front.
+    [`fp8ax.DelayedScaling`][] is one; `tests/running_max.py` is one written outside
+    fp8ax.
+    """
+
+    @property
+    def stateful(self) -> bool:
+        """True: the recipe keeps state between steps."""
+        return True
+
+    @abc.abstractmethod
+    def init_state(self, batch_shape: tuple[int, ...] = ()) -> AbstractState:
+        """Fresh state for one operand (`batch_shape` for stacked layers): an instance of
+        the recipe's own [`fp8ax.AbstractState`][] subclass."""
+
+    @abc.abstractmethod
     def state_observed(self, state: tuple[ArrayLike, ...]) -> np.ndarray:
         """Per stacked layer (a bool array of the state's batch shape): whether the state
         holds an observation, so that its scale comes from data. `fp8ax.to_serving`
-        refuses a state that has observed nothing. Concrete arrays only. Stateful recipes
-        must define it."""
-        raise NotImplementedError(
-            f"{type(self).__name__} defines no `state_observed`: a stateful recipe must say whether its state "
-            "has seen data (a stateless one has no state to ask about)."
-        )
+        refuses a state that has observed nothing. Concrete arrays only."""
 
     def state_valid(self, state: tuple[ArrayLike, ...]) -> np.ndarray:
         """Per stacked layer: whether the state is one fp8ax's updates can have written (a
@@ -177,8 +208,7 @@ class AbstractScalingRecipe(eqx.Module):
         return cast(np.ndarray, ok)  # set: a state has at least one field
 
     def _entry_ndims(self) -> tuple[int, ...]:
-        # Asked of a stateful recipe only, whose `init_state` gives a state.
-        return type(cast(AbstractState, self.init_state())).entry_ndims
+        return type(self.init_state()).entry_ndims
 
     def serving_scale(self, state: tuple[Array, ...], dtype: np.dtype) -> Array:
         """The dequantization scale, frozen from one layer's state (no stacked dimensions),
@@ -203,6 +233,7 @@ class AbstractScalingRecipe(eqx.Module):
         del state
         return None
 
+    @abc.abstractmethod
     def quantize_operand(
         self,
         x: Array,
@@ -221,9 +252,9 @@ class AbstractScalingRecipe(eqx.Module):
         - `x`: the operand.
         - `contracting_axes`: the axes of `x` the GEMM contracts.
         - `dtype`: the low-precision format.
-        - `state`: for a stateful recipe, the arrays of the operand's state (float32, in
-          the `fields` order of the recipe's state type: `(scale, amax_history)` for
-          delayed scaling); None otherwise. (Keyword only argument.)
+        - `state`: the arrays of the operand's state (float32, in the `fields` order of
+          the recipe's state type: `(data,)` for delayed scaling). (Keyword only
+          argument.)
         - `key`: a PRNG key for stochastic rounding, or None. (Keyword only argument.)
         - `merge`: reduces a per-call observation (an amax, or a pytree of values
           observed together) to one value for the whole observation: a max over `vmap`
@@ -233,11 +264,10 @@ class AbstractScalingRecipe(eqx.Module):
         **Returns:**
 
         `(quantized, new_state)`: a [`fp8ax.QuantizedArray`][], and the arrays of the
-        operand's state after this call, in the same order (None for a stateless recipe). The new
+        operand's state after this call, in the same order. The new
         state must be monotone non-decreasing in what the call observed: several uses of
         a layer are merged with an elementwise max.
         """
-        raise NotImplementedError
 
     def plan(self, states: Sequence[tuple[Array, ...] | None], dtypes: Sequence[np.dtype] | None = None) -> list[Any]:
         """What the operands of one call share, decided once from their states.
@@ -267,7 +297,7 @@ class AbstractScalingRecipe(eqx.Module):
 
     def quantize_operands(self, operands: Sequence[Operand]) -> list[tuple[QuantizedArray, NewState]]:
         """Quantizes several operands of one call, each as `quantize_operand` would, with
-        their plans (see `plan`). The default quantizes them one by one."""
+        their plans (see `plan`). This default quantizes them one by one."""
         return [
             self.quantize_operand(op.x, op.contracting_axes, op.dtype, state=op.state, key=op.key, merge=op.merge)
             for op in _as_operands(operands)

@@ -23,7 +23,7 @@ from .._state import (
     through_unit,
     unit_inverse,
 )
-from .base import AbstractScalingRecipe, Operand, _as_operands, _fwd_dtype, _grad_dtype, _no_merge
+from .base import AbstractStatefulRecipe, Operand, _as_operands, _fwd_dtype, _grad_dtype, _no_merge
 
 
 def _history_bounds(history):
@@ -128,7 +128,7 @@ def _columns(x, n: int) -> list:
     return [lax.squeeze(part, (x.ndim - 1,)) for part in lax.split(x, (1,) * n, axis=x.ndim - 1)]
 
 
-class DelayedScaling(AbstractScalingRecipe):
+class DelayedScaling(AbstractStatefulRecipe):
     """Per-tensor delayed scaling, with the semantics of TransformerEngine's `DelayedScaling`.
 
     The scale a call uses comes from the amax history as it stood before the call:
@@ -222,10 +222,6 @@ class DelayedScaling(AbstractScalingRecipe):
             raise ValueError(f"`amax_compute_algo` must be 'max' or 'most_recent', got {self.amax_compute_algo!r}.")
         if not isinstance(self.calibrate_first_call, bool):
             raise TypeError(f"`calibrate_first_call` must be a bool, got {self.calibrate_first_call!r}.")
-
-    @property
-    def stateful(self) -> bool:
-        return True
 
     @property
     def scale_layout(self) -> ScaleLayout:

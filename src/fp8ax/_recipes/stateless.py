@@ -23,7 +23,7 @@ from jaxtyping import Array
 from .. import _formats
 from .._quantized import QuantizedArray
 from .._rounding import stochastic_round
-from .base import AbstractScalingRecipe, _as_operands, _no_merge
+from .base import AbstractScalingRecipe, _as_operands
 
 Granularity = Literal["tensor", "row"]
 
@@ -43,14 +43,6 @@ class AbstractStatelessRecipe(AbstractScalingRecipe):
         The one method a stateless recipe implements. The pipeline tells it the role, so
         a recipe whose tiles or element type differ by role (2D weight blocks, MX's
         gradient elements) reads it here rather than working it out from a format."""
-
-    def quantize_operand(self, x, contracting_axes, dtype, *, state=None, key=None, merge=_no_merge):
-        del x, contracting_axes, dtype, state, key, merge
-        raise TypeError(
-            f"{type(self).__name__} keeps no state and quantizes by role: call "
-            "`quantize_role(x, contracting_axes, role)`, `quantize_operands` with `fp8ax.Operand(..., role=...)`, "
-            "or `fp8ax.quantize`."
-        )
 
     def quantize_operands(self, operands):
         out = []

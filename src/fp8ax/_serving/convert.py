@@ -31,6 +31,7 @@ from .._gemm import (
     RaggedCall,
     quantize_weights,
     quantizing_recipe,
+    stateful_recipe,
 )
 from .._model import (
     Fp8DotGeneral,
@@ -41,7 +42,7 @@ from .._model import (
     path_str,
 )
 from .._quantized import QuantizedArray
-from .._recipes import AbstractScalingRecipe, Operand
+from .._recipes import AbstractStatefulRecipe, Operand
 from .._state import CORRUPT_STATE
 from .codec import _storable, encode, packed_length
 from .layers import ServingHaliaxLinear, ServingLinear, ServingMoELinear, is_serving_layer
@@ -62,7 +63,7 @@ def _vmapped(f, n: int):
 
 
 def _check_filled(layer: str, dg: Fp8DotGeneral, stacked: str) -> None:
-    recipe = dg.settings.recipe
+    recipe = stateful_recipe(dg.settings)
     for role, what in (("lhs", "activation"), ("rhs", "weight")):
         fields = tuple(jax.tree.leaves(getattr(dg, role)))
         if any(isinstance(v, jax.core.Tracer) for v in fields):
@@ -111,7 +112,10 @@ def _freeze(layer: str, op: Fp8DotGeneral, w: Array, quantize, n_batch: int, che
             f"`high_precision_gemms` with 'fwd'), so it has no low-precision {what} to serve. Exclude it from the "
             "FP8 conversion (`Fp8Config(targets=...)`) to serve it as a plain layer."
         )
-    if st.recipe.stateful and type(st.recipe).serving_scale is AbstractScalingRecipe.serving_scale:
+    if (
+        isinstance(st.recipe, AbstractStatefulRecipe)
+        and type(st.recipe).serving_scale is AbstractStatefulRecipe.serving_scale
+    ):
         raise ValueError(
             f"Layer `{layer}` uses the stateful recipe {type(st.recipe).__name__}, which does not say how to freeze "
             "its state for serving (it defines no `serving_scale`); `fp8ax.to_serving` serves the stateful recipes "
@@ -131,7 +135,7 @@ def _freeze(layer: str, op: Fp8DotGeneral, w: Array, quantize, n_batch: int, che
         lhs_dtype = quantizing_recipe(st, "lhs").dtype_for("lhs")
 
         def frozen(state):
-            return st.recipe.serving_scale(state, lhs_dtype)
+            return stateful_recipe(st).serving_scale(state, lhs_dtype)
 
         input_scale = eqx.filter_jit(_vmapped(frozen, n_batch))(tuple(jax.tree.leaves(op.lhs)))
     scale = q.scale
