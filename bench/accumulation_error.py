@@ -7,13 +7,13 @@ accumulators. Prints a Markdown table (docs/recipes.md quotes it) and writes JSO
 """
 
 import argparse
-import json
 import time
 
 import jax
 import ml_dtypes
 import numpy as np
 
+import _harness
 import fp8ax
 from fp8ax._tensor_core import emulated_dot_general
 
@@ -75,8 +75,7 @@ def main():
         vals = [pct(cells[d]["max_relative"]) for d in names[:2]] + [pct(cells[names[2]]["max_over_range"])]
         print(f"| {name} | " + " | ".join(vals) + " |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"k": args.k, "rows": rows}, f, indent=1)
+        _harness.write_json(args.json, {"k": args.k, "rows": rows}, indent=1)
 
 
 if __name__ == "__main__":

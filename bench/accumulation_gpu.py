@@ -8,16 +8,13 @@ for several settings (fraction bits, products per step, promotion interval), com
 the same GPU (the emulation is exact arithmetic, so any backend gives the same bits):
 the share of outputs that match bit for bit and the maximum relative error.
 
-Needs only JAX, NumPy, ml_dtypes and equinox (it loads src/fp8ax/_tensor_core.py by
-path, so Haliax need not be installed). Writes JSON to --json.
+Needs only JAX, NumPy, ml_dtypes and fp8ax (installed; its `_tensor_core` module, which
+Haliax is not needed for). Writes JSON to --json.
 
     python bench/accumulation_gpu.py --json bench/results/accumulation_gpu_h100.json
 """
 
 import argparse
-import importlib.util
-import json
-import pathlib
 import time
 
 import jax
@@ -25,10 +22,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-HERE = pathlib.Path(__file__).resolve().parent
-spec = importlib.util.spec_from_file_location("fp8ax_accumulation", HERE.parent / "src" / "fp8ax" / "_tensor_core.py")
-acc = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(acc)
+import _harness
+from fp8ax import _tensor_core as acc
 
 MATMUL = (((1,), (0,)), ((), ()))
 SETTINGS = (
@@ -115,7 +110,7 @@ def main():
                 }
         report["cases"][dist] = case
     if args.json:
-        pathlib.Path(args.json).write_text(json.dumps(report, indent=1))
+        _harness.write_json(args.json, report, indent=1)
 
 
 if __name__ == "__main__":

@@ -186,10 +186,10 @@ def _models(sizes):
 
 
 def _build(variant: str, base):
-    import gpu
     import jax.numpy as jnp
 
     import fp8ax
+    import gpu
 
     if variant in ("bf16", "haliax_fp8"):
         return gpu.build_mlp(variant, base)
@@ -202,12 +202,13 @@ def _build(variant: str, base):
 
 def compile_one(step_name: str, variant: str, sizes, mesh, dump: Path | None, repeat: int = 1) -> dict[str, Any]:
     import equinox as eqx
-    import gpu
-    import gpu_hlo
     import haliax as hax
     import jax
     import optax
     from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import gpu
+    import gpu_hlo
 
     init, axes, dtype = _models(sizes)[step_name]
     model = eqx.filter_eval_shape(lambda key: _build(variant, init(key)), jax.random.PRNGKey(0))

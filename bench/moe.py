@@ -29,13 +29,12 @@ of the non-GEMM kernels.
 import argparse
 import json
 import os
-import pathlib
 import statistics
 import subprocess
 import sys
-import time
 
-HERE = pathlib.Path(__file__).resolve().parent
+import _harness
+
 SIZES = {"tokens": 1024, "embed": 256, "mlp": 512, "experts": 8, "top_k": 2}
 QUICK = {"tokens": 256, "embed": 64, "mlp": 128, "experts": 4, "top_k": 2}
 GPU_SIZES = {"tokens": 8192, "embed": 4096, "mlp": 14336, "experts": 8, "top_k": 2}
@@ -112,16 +111,11 @@ def cpu(sizes, rounds, warmup):
     y = hax.random.normal(ky, axes)
     models["fp8"] = fp8ax.calibrate(models["fp8"], lambda m, x: hax.sum(m(x)).scalar(), [(x,)])
     jitted = eqx.filter_jit(step)
-    for name in models:
-        for _ in range(warmup):
-            models[name] = jax.block_until_ready(jitted(models[name], x, y))
-    times = {name: [] for name in models}
-    names = list(models)
-    for r in range(rounds):
-        for name in names[r % 2 :] + names[: r % 2]:
-            t0 = time.perf_counter()
-            models[name] = jax.block_until_ready(jitted(models[name], x, y))
-            times[name].append(time.perf_counter() - t0)
+
+    def call(name):
+        models[name] = jax.block_until_ready(jitted(models[name], x, y))
+
+    times = _harness.interleaved(call, list(models), rounds, warmup=warmup)
     med = {name: 1e3 * statistics.median(t) for name, t in times.items()}
     return {
         "sizes": sizes,
@@ -138,12 +132,13 @@ def cpu(sizes, rounds, warmup):
 def gpu_worker(sizes) -> dict:
     """One compile per variant on a described H100 (this process's XLA flags)."""
     import equinox as eqx
-    import gpu_aot
-    import gpu_hlo
     import haliax as hax
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import gpu_aot
+    import gpu_hlo
 
     mesh = gpu_aot.topology_mesh()
     replicated = NamedSharding(mesh, P())
@@ -190,7 +185,6 @@ def main():
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    sys.path.insert(0, str(HERE))
     if a.worker:  # one XLA flag setting, in its own process
         sizes = QUICK if a.quick else GPU_SIZES
         print(json.dumps(gpu_worker(sizes)))
@@ -206,13 +200,13 @@ def main():
             lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
             results[label] = json.loads(lines[-1]) if lines else {"error": proc.stderr[-2000:]}
             print(label, json.dumps(results[label], indent=1)[:3000])
-        out = a.out or (None if a.quick else str(HERE / "results" / "moe_gpu_aot_h100.json"))
+        out = a.out or (None if a.quick else str(_harness.RESULTS / "moe_gpu_aot_h100.json"))
     else:
         results = cpu(QUICK if a.quick else SIZES, 3 if a.quick else a.rounds, 1 if a.quick else a.warmup)
         print(json.dumps(results, indent=1))
-        out = a.out or (None if a.quick else str(HERE / "results" / "moe_cpu.json"))
+        out = a.out or (None if a.quick else str(_harness.RESULTS / "moe_cpu.json"))
     if out:
-        pathlib.Path(out).write_text(json.dumps(results, indent=1) + "\n")
+        _harness.write_json(out, results, indent=1)
         print(f"written to {out}")
 
 

@@ -13,25 +13,20 @@ those of each collective's result per device, read from the optimized HLO
 (`Compiled.as_text()`). Writes bench/results/multigpu_collectives_h100x8.json.
 """
 
-import json
-import pathlib
 import re
-import sys
 import time
 
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+import equinox as eqx
+import haliax as hax
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import topologies
+from jax.sharding import NamedSharding, PartitionSpec as P
 
-import equinox as eqx  # noqa: E402
-import haliax as hax  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from gpu_aot import H100_TARGET  # noqa: E402
-from jax.experimental import topologies  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
-
-import fp8ax  # noqa: E402
+import _harness
+import fp8ax
+from gpu_aot import H100_TARGET
 
 Batch, Embed, Mlp = hax.Axis("Batch", 256), hax.Axis("Embed", 1024), hax.Axis("Mlp", 4096)
 N_BLOCKS = 3
@@ -150,8 +145,7 @@ def main():
     base = results["variants"]["bf16 (no FP8)"]["all-gather"]["bytes"]
     for name, c in results["variants"].items():
         print(f"{name:30s} all-gather bytes / bf16 step's: {c['all-gather']['bytes'] / base:.4f}")
-    out = HERE / "results" / "multigpu_collectives_h100x8.json"
-    out.write_text(json.dumps(results, indent=1))
+    out = _harness.write_json(_harness.RESULTS / "multigpu_collectives_h100x8.json", results, indent=1)
     print("wrote", out)
 
 

@@ -37,18 +37,15 @@ kernels of the loop bodies are counted apart), and `compiled.memory_analysis()`.
 """
 
 import argparse
-import datetime
-import importlib.metadata
 import json
 import math
 import os
-import pathlib
 import re
 import statistics
-import sys
 import time
 
-HERE = pathlib.Path(__file__).resolve().parent
+import _harness
+
 SIZES = {"batch": 128, "embed": 256, "mlp": 1024, "layers": 8}
 QUICK = {"batch": 16, "embed": 64, "mlp": 128, "layers": 2}
 GPU_SIZES = {"batch": 8192, "embed": 4096, "mlp": 14336, "layers": 32}
@@ -235,14 +232,10 @@ def interleaved(fns, carry, args, rounds, warmup=0):
     order alternating, after `warmup` untimed calls each. `carry` is updated in place."""
     import jax
 
-    times = {v: [] for v in fns}
-    for r in range(-warmup, rounds):
-        for v in VARIANTS[r % 2 :] + VARIANTS[: r % 2]:
-            t0 = time.perf_counter()
-            carry[v] = jax.block_until_ready(fns[v](*carry[v], *args))
-            if r >= 0:
-                times[v].append(time.perf_counter() - t0)
-    return times
+    def call(v):
+        carry[v] = jax.block_until_ready(fns[v](*carry[v], *args))
+
+    return _harness.interleaved(call, VARIANTS, rounds, warmup=warmup)
 
 
 def summarise(times) -> dict:
@@ -273,12 +266,13 @@ def loop_kernels(hlo_text) -> dict:
 
 def gpu_aot(sizes, repeat) -> dict:
     import equinox as eqx
-    import gpu_aot
-    import gpu_hlo
     import jax
     import jax.numpy as jnp
     import optax
     from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import gpu_aot
+    import gpu_hlo
 
     replicated = NamedSharding(gpu_aot.topology_mesh(), P())
     opt = optax.adamw(1e-3, weight_decay=0.1)
@@ -325,16 +319,6 @@ def gpu_aot(sizes, repeat) -> dict:
     return out
 
 
-def versions() -> dict:
-    out = {}
-    for p in ("jax", "jaxlib", "jax-cuda12-plugin", "equinox", "haliax", "optax"):
-        try:
-            out[p] = importlib.metadata.version(p)
-        except importlib.metadata.PackageNotFoundError:
-            out[p] = "not installed"
-    return out
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
@@ -347,7 +331,6 @@ def main():
     p.add_argument("--gpu-aot", action="store_true", help="compile for a described H100 (needs jax[cuda12])")
     p.add_argument("--out", default=None, help="JSON path ('' for none)")
     a = p.parse_args()
-    sys.path.insert(0, str(HERE))
     if a.gpu_aot:
         os.environ.setdefault("CUDA_VISIBLE_DEVICES", "-1")
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -358,12 +341,14 @@ def main():
         results = cpu(sizes, 3 if a.quick else a.rounds, 2 if a.quick else a.warmup)
         name = "optimizer_state_cpu.json"
     results["benchmark"] = "bench/optimizer_state.py"
-    results["date"] = datetime.datetime.now(datetime.UTC).isoformat()
-    results["versions"] = versions()
+    results["date"] = _harness.now(timespec="auto")
+    results["versions"] = _harness.versions(
+        ("jax", "jaxlib", "jax-cuda12-plugin", "equinox", "haliax", "optax"), missing="not installed"
+    )
     print(json.dumps(results, indent=1))
-    out = a.out if a.out is not None else (None if a.quick else str(HERE / "results" / name))
+    out = a.out if a.out is not None else (None if a.quick else str(_harness.RESULTS / name))
     if out:
-        pathlib.Path(out).write_text(json.dumps(results, indent=1) + "\n")
+        _harness.write_json(out, results, indent=1)
         print(f"written to {out}")
 
 

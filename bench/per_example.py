@@ -35,11 +35,8 @@ Run::
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -48,9 +45,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import _harness
 import fp8ax
 
-HERE = Path(__file__).resolve().parent
 VARIANTS = ("plain", "fp8ax", "fp8ax-cal")
 
 
@@ -172,16 +169,12 @@ def run_model(name, model, x, y, rounds, compile_reps):
             step.lower(m, states[k], x, y).compile()
             times.append(time.perf_counter() - t)
         out[k] = {"compile_s": statistics.median(times)}
-    for k in models:  # warm-up: compile into the cache and run twice
-        for _ in range(2):
-            models[k], states[k] = jax.block_until_ready(step(models[k], states[k], x, y))
-    samples = {k: [] for k in models}
-    order = list(models)
-    for r in range(rounds):
-        for k in order[r % len(order) :] + order[: r % len(order)]:
-            t = time.perf_counter()
-            models[k], states[k] = jax.block_until_ready(step(models[k], states[k], x, y))
-            samples[k].append(time.perf_counter() - t)
+
+    def call(k):
+        models[k], states[k] = jax.block_until_ready(step(models[k], states[k], x, y))
+
+    # Warm-up: compile into the cache and run twice.
+    samples = _harness.interleaved(call, list(models), rounds, warmup=2)
     for k in models:
         out[k]["step_s"] = statistics.median(samples[k])
         out[k]["step_min_s"] = min(samples[k])
@@ -211,12 +204,12 @@ def main(argv=None):
     k1, k2, k3, k4 = jax.random.split(key, 4)
     results = {
         "meta": {
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "date": _harness.now(),
             "backend": jax.default_backend(),
             "devices": str(jax.devices()),
             "jax": jax.__version__,
             "fp8ax": fp8ax.__version__,
-            "python": sys.version.split()[0],
+            "python": _harness.python_version(),
             "machine": platform.processor() or platform.machine(),
             "quick": args.quick,
         }
@@ -237,9 +230,8 @@ def main(argv=None):
     x = jax.random.normal(k3, (vb, 3, img, img))
     y = jax.random.randint(k4, (vb,), 0, 10)
     results["vit"] = run_model("vit (512 wide)" if not args.quick else "vit (quick)", vit, x, y, rounds, reps)
-    out = args.out or HERE / "results" / ("per_example_cpu_quick.json" if args.quick else "per_example_cpu.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2) + "\n")
+    out = args.out or _harness.RESULTS / ("per_example_cpu_quick.json" if args.quick else "per_example_cpu.json")
+    _harness.write_json(out, results)
     print(f"\nwrote {out}")
     return results
 

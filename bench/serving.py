@@ -21,22 +21,15 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import statistics
-import sys
-import time
-from pathlib import Path
 
 import equinox as eqx
 import haliax as hax
 import jax
 import jax.numpy as jnp
 
+import _harness
 import fp8ax
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-from overhead import _loadavg, machine_info  # noqa: E402
 
 
 class Mlp(eqx.Module):
@@ -95,10 +88,10 @@ def main():
     out = (
         args.out
         if args.out is not None
-        else str(HERE / "results" / ("serving_cpu_quick.json" if args.quick else "serving_cpu.json"))
+        else str(_harness.RESULTS / ("serving_cpu_quick.json" if args.quick else "serving_cpu.json"))
     )
 
-    load_before = _loadavg()
+    load_before = _harness.loadavg()
     models, x = build(args.embed, args.hidden, args.batch)
     sizes = {name: nbytes(m) for name, m in models.items()}
     n_weights = 2 * args.embed * args.hidden
@@ -112,16 +105,9 @@ def main():
 
     timed = [n for n in models if n != "float32"]
     forward = eqx.filter_jit(lambda m, x: m(x).array)
-    for name in timed:
-        for _ in range(args.warmup):
-            jax.block_until_ready(forward(models[name], x))
-    times = {name: [] for name in timed}
-    for r in range(args.rounds):
-        order = timed[r % len(timed) :] + timed[: r % len(timed)]
-        for name in order:
-            t0 = time.perf_counter()
-            jax.block_until_ready(forward(models[name], x))
-            times[name].append(time.perf_counter() - t0)
+    times = _harness.interleaved(
+        lambda name: jax.block_until_ready(forward(models[name], x)), timed, args.rounds, warmup=args.warmup
+    )
     med = {name: statistics.median(ts) for name, ts in times.items()}
     print(f"\n{'variant':<24} {'forward ms (median)':>20} {'x bf16':>7}")
     for name in timed:
@@ -130,9 +116,9 @@ def main():
     if out:
         result = {
             "config": vars(args),
-            "machine": machine_info(),
+            "machine": _harness.machine(),
             "loadavg_before": load_before,
-            "loadavg_after": _loadavg(),
+            "loadavg_after": _harness.loadavg(),
             "weights": n_weights,
             "checkpoint_bytes": sizes,
             "forward_seconds": {
@@ -140,8 +126,7 @@ def main():
                 for name, ts in times.items()
             },
         }
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(json.dumps(result, indent=2) + "\n")
+        _harness.write_json(out, result)
         print(f"\nwritten to {out}")
 
 

@@ -22,7 +22,6 @@ os.environ["XLA_FLAGS"] = (
 )
 
 import glob  # noqa: E402
-import json  # noqa: E402
 import pathlib  # noqa: E402
 import re  # noqa: E402
 
@@ -33,6 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
+import _harness  # noqa: E402
 import fp8ax  # noqa: E402
 
 Batch, Embed, Mlp, Layers = (
@@ -152,10 +152,9 @@ def main(out_path):
     )
     for k, v in results["fp8_all_gather"].items():
         print(f"  {k:30s} {v}")
-    pathlib.Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(out_path).write_text(json.dumps(results, indent=1))
+    _harness.write_json(out_path, results, indent=1)
     print("wrote", out_path)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else str(pathlib.Path(__file__).parent / "results" / "sharding_cpu.json"))
+    main(sys.argv[1] if len(sys.argv) > 1 else str(_harness.RESULTS / "sharding_cpu.json"))

@@ -51,7 +51,6 @@ import argparse
 import datetime
 import importlib.metadata
 import importlib.util
-import json
 import platform
 import re
 import statistics
@@ -67,9 +66,9 @@ import haliax.quantization as haxq
 import jax
 import optax
 
+import _harness
 import fp8ax
 
-HERE = Path(__file__).resolve().parent
 VARIANTS = ("plain", "haliax", "fp8ax", "fp8ax-bare", "fp8ax-nocal", "fp8ax-current")
 MODELS = ("mlp", "stack16", "decoder", "depth1", "depth4")
 NOT_KERNELS = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "opt-barrier", "after-all"}
@@ -289,10 +288,9 @@ def first_step_s(step, args, reps: int, compile_for=None) -> tuple[float, str]:
 
 def h100_compile(step, args):
     """A compile for an H100 described from its specifications (bench/gpu_aot.py)."""
-    spec = importlib.util.spec_from_file_location("fp8ax_bench_gpu_aot", HERE / "gpu_aot.py")
-    gpu_aot = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_aot)
     from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import gpu_aot
 
     mesh = gpu_aot.topology_mesh()
     arrays, static = eqx.partition(args, eqx.is_array)
@@ -317,15 +315,13 @@ def run(args) -> dict[str, Any]:
             row[v] = {"leaves": len(jax.tree.leaves((model, opt_state))), "first_step_s": secs, "kernels": kernels(hlo)}
         if args.target == "cpu" and mname in ("mlp", "stack16", "decoder"):
             state = {v: (m, s) for v, (m, s, _) in built.items()}
-            times: dict[str, list[float]] = {v: [] for v in built}
             for v, (m, s, step) in built.items():  # warm-up
                 jax.block_until_ready(step(m, s, x, y))
-            for r in range(args.rounds):
-                for v in list(built)[r % len(built) :] + list(built)[: r % len(built)]:
-                    m, s = state[v]
-                    t0 = time.perf_counter()
-                    state[v] = jax.block_until_ready(built[v][2](m, s, x, y))
-                    times[v].append(time.perf_counter() - t0)
+
+            def call(v):
+                state[v] = jax.block_until_ready(built[v][2](*state[v], x, y))
+
+            times = _harness.interleaved(call, built, args.rounds)
             for v in built:
                 row[v]["step_ms"] = 1e3 * statistics.median(times[v])
                 row[v]["host_us"] = 1e6 * host_us(*state[v], x, y, args.rounds)
@@ -378,23 +374,14 @@ def main() -> int:
         "machine": platform.processor() or platform.machine(),
         "target": args.target,
         "dry": args.dry,
-        "versions": {p: importlib.metadata.version(p) for p in ("jax", "equinox", "optax", "fp8ax")}
-        | {"haliax": next((importlib.metadata.version(d) for d in ("marin-haliax", "haliax") if _installed(d)), "?")},
+        "versions": _harness.versions(("jax", "equinox", "optax", "fp8ax"))
+        | _harness.versions(("haliax",), missing="?"),
         "results": results,
     }
-    out = args.out or (HERE / "results" / f"state_cost_{args.target}{'_dry' if args.dry else ''}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1) + "\n")
+    out = args.out or (_harness.RESULTS / f"state_cost_{args.target}{'_dry' if args.dry else ''}.json")
+    _harness.write_json(out, record, indent=1)
     print(f"wrote {out}")
     return 0
-
-
-def _installed(dist: str) -> bool:
-    try:
-        importlib.metadata.version(dist)
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        return False
 
 
 if __name__ == "__main__":

@@ -18,6 +18,10 @@ TARGET = "__cublas$lt$matmul$f8"
 
 
 def _load_script():
+    # The script imports its sibling modules (bench/_harness.py...), as it does when run
+    # as `python bench/gpu.py`, where bench/ is first on sys.path.
+    if str(SCRIPT.parent) not in sys.path:
+        sys.path.insert(0, str(SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("fp8ax_bench_gpu", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up here

@@ -15,6 +15,10 @@ SCRIPT = ROOT / "bench" / "state_cost.py"
 
 
 def _load_script():
+    # The script imports its sibling modules (bench/_harness.py...), as it does when run
+    # as `python bench/state_cost.py`, where bench/ is first on sys.path.
+    if str(SCRIPT.parent) not in sys.path:
+        sys.path.insert(0, str(SCRIPT.parent))
     spec = importlib.util.spec_from_file_location("fp8ax_bench_state_cost", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module

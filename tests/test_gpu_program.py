@@ -52,6 +52,10 @@ def test_backward_fp8_gemms_accumulate_in_full_precision(mode):
 
 
 def _load(name):
+    # A bench script imports its sibling modules (bench/_harness.py...), as it does when
+    # run as `python bench/<name>.py`, where bench/ is first on sys.path.
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
     spec = importlib.util.spec_from_file_location(f"fp8ax_bench_{name}", BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
@@ -62,7 +66,6 @@ def _load(name):
 @pytest.fixture(scope="module")
 def h100():
     """`(mesh, gpu_hlo)`: a one-device mesh on a described H100, or a skip."""
-    sys.path.insert(0, str(BENCH))
     aot = _load("gpu_aot")
     try:
         mesh = aot.topology_mesh()
@@ -78,7 +81,6 @@ def h100():
 def b200():
     """A one-device mesh on a described Blackwell B200 (compute capability 10.0), or a
     skip."""
-    sys.path.insert(0, str(BENCH))
     aot = _load("gpu_aot")
     try:
         return aot.topology_mesh(aot.B200_TARGET)
