@@ -48,8 +48,6 @@ Exit status 2 (and the reason) when the CUDA plugin is not installed.
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
 import json
 import os
 import platform
@@ -59,9 +57,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-RESULTS = HERE / "results"
-sys.path.insert(0, str(HERE))
+import _harness
+
+HERE = _harness.HERE
+RESULTS = _harness.RESULTS
 
 # The H100 SXM (80 GB HBM3) as XLA describes a GPU (GpuTargetConfigProto, text format):
 # compute capability 9.0, 132 SMs, 228 KiB shared memory per SM (227 KiB per block opt-in),
@@ -172,7 +171,7 @@ def _models(sizes):
             x = x + self.o(attn).astype(x.dtype)
             return x + self.down(hnn.gelu(self.up(self.ln2(x)))).astype(x.dtype)
 
-    import gpu
+    import _gpu_models as gpu
 
     def mlp_init(key):
         return gpu.MlpBlock.init(Embed, Mlp, key=key)
@@ -188,8 +187,8 @@ def _models(sizes):
 def _build(variant: str, base):
     import jax.numpy as jnp
 
+    import _gpu_models as gpu
     import fp8ax
-    import gpu
 
     if variant in ("bf16", "haliax_fp8"):
         return gpu.build_mlp(variant, base)
@@ -207,7 +206,7 @@ def compile_one(step_name: str, variant: str, sizes, mesh, dump: Path | None, re
     import optax
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    import gpu
+    import _gpu_models as gpu
     import gpu_hlo
 
     init, axes, dtype = _models(sizes)[step_name]
@@ -275,21 +274,11 @@ def worker(args) -> None:
                 flush=True,
             )
     out["_sizes"] = sizes
-    Path(args.worker_out).write_text(json.dumps(out, indent=1))
+    _harness.write_json(args.worker_out, out, indent=1)
 
 
 # --------------------------------------------------------------------------------------
 # The parent: one worker per GEMM path, a table, JSON.
-
-
-def _versions() -> dict[str, str]:
-    out = {}
-    for p in ("jax", "jaxlib", "jax-cuda12-plugin", "equinox", "haliax", "fp8ax"):
-        try:
-            out[p] = importlib.metadata.version(p)
-        except importlib.metadata.PackageNotFoundError:
-            out[p] = "not installed"
-    return out
 
 
 def table(results: dict[str, Any]) -> str:
@@ -330,11 +319,9 @@ def main() -> int:
         return 0
 
     probe = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            f"import sys; sys.path.insert(0, {str(HERE)!r}); import gpu_aot; gpu_aot.topology_mesh()",
-        ],
+        # Run in bench/, where `python -c` finds this script as a module.
+        [sys.executable, "-c", "import gpu_aot; gpu_aot.topology_mesh()"],
+        cwd=HERE,
         env=_env(""),
         capture_output=True,
         text=True,
@@ -357,20 +344,18 @@ def main() -> int:
         tmp.unlink()
     print(table(results))
     out = Path(args.out) if args.out else RESULTS / ("gpu_aot_h100_quick.json" if args.quick else "gpu_aot_h100.json")
-    out.write_text(
-        json.dumps(
-            {
-                "benchmark": "bench/gpu_aot.py",
-                "date": datetime.datetime.now(datetime.UTC).isoformat(),
-                "target": "H100 SXM 80GB (deviceless compile)",
-                "roofline": H100,
-                "host": platform.node(),
-                "versions": _versions(),
-                "results": results,
-            },
-            indent=1,
-        )
-    )
+    record = {
+        "benchmark": "bench/gpu_aot.py",
+        "date": _harness.now(timespec="auto"),
+        "target": "H100 SXM 80GB (deviceless compile)",
+        "roofline": H100,
+        "host": platform.node(),
+        "versions": _harness.versions(
+            ("jax", "jaxlib", "jax-cuda12-plugin", "equinox", "haliax", "fp8ax"), missing="not installed"
+        ),
+        "results": results,
+    }
+    _harness.write_json(out, record, indent=1)
     print(f"wrote {out}")
     return 0
 

@@ -1,7 +1,7 @@
 """Where a decoder-layer train step spends its GPU time: kernels per variant, from a profile.
 
-Runs bench/gpu_train.py's decoder layer (its `build_decoder`) for each variant in one
-process, with the XLA flags in the environment, warms it up, records `--steps` steps with
+Runs bench/gpu_train.py's decoder layer (`build_decoder`, in bench/_train_decoder.py) for
+each variant in one process, with the XLA flags in the environment, warms it up, records `--steps` steps with
 `jax.profiler.trace`, and reads the trace back with `jax.profiler.ProfileData`: the GPU
 kernels of each step (name, count, total time), grouped into GEMMs (cuBLAS(Lt), CUTLASS,
 Triton GEMM fusions) and everything else, plus the number of kernel launches per step.
@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import argparse
 import glob
-import json
 import os
 import re
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -26,8 +24,10 @@ from pathlib import Path
 
 import jax
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import gpu_train  # noqa: E402
+import _harness
+from _train_decoder import build_decoder
+from _train_parts import DECODER_DRY, DECODER_FULL
+from _train_record import _compiled_text
 
 GEMM_PATTERN = re.compile(r"gemm|cublas|xmma|cutlass|sm90|matmul|triton_gemm|dot", re.IGNORECASE)
 
@@ -69,7 +69,7 @@ def _kernels(trace_dir: str, steps: int) -> dict:
 
 
 def profile(variant: str, s: dict, steps: int, seed: int, hlo_dir: str | None) -> dict:
-    model, opt_state, x, y, step, _, fp8_layers = gpu_train.build_decoder(variant, s, seed)
+    model, opt_state, x, y, step, _, fp8_layers = build_decoder(variant, s, seed)
     for _ in range(3):
         model, opt_state = step(model, opt_state, x, y)
     jax.block_until_ready((model, opt_state))
@@ -87,7 +87,7 @@ def profile(variant: str, s: dict, steps: int, seed: int, hlo_dir: str | None) -
         out["kernels"] = _kernels(d, steps)
     if hlo_dir:
         try:
-            text = gpu_train._compiled_text(step.lower(model, opt_state, x, y).compile())
+            text = _compiled_text(step.lower(model, opt_state, x, y).compile())
             Path(hlo_dir, f"{variant}.hlo.txt").write_text(text)
             out["hlo_entry_instructions"] = len(re.findall(r"^\s+\S+ = ", text.split("ENTRY", 1)[-1], re.M))
         except Exception as e:  # noqa: BLE001
@@ -105,7 +105,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="")
     args = p.parse_args(argv)
     dry = args.dry or jax.default_backend() != "gpu"
-    s = gpu_train.DECODER_DRY if dry else gpu_train.DECODER_FULL
+    s = DECODER_DRY if dry else DECODER_FULL
     results = {"xla_flags": os.environ.get("XLA_FLAGS", ""), "device": str(jax.devices()[0]), "variants": {}}
     for v in args.variants.split(","):
         try:
@@ -124,7 +124,7 @@ def main(argv=None) -> int:
         for row in k.get("top", [])[:25]:
             print(f"    {row['us_per_step']:9.1f} us  x{row['launches']:<5g} {row['name'][:110]}")
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1))
+        _harness.write_json(args.out, results, indent=1)
     return 0
 
 
