@@ -1,9 +1,9 @@
 """What the bench scripts share: timing, the machine and the versions, results files.
 
-A script run as ``python bench/<name>.py`` has bench/ first on ``sys.path`` (Python puts
-the script's directory there), so ``import _harness`` finds this file; the tests that load
-a script with importlib put bench/ on ``sys.path`` themselves. Each script keeps the keys
-of its own results file: these helpers give the values, the scripts name them.
+A script run as ``python bench/<name>.py`` has bench/ first on Python's module search
+path (Python puts the script's directory there), so ``import _harness`` finds this file;
+the tests that load a script with importlib put bench/ there themselves. Each script keeps
+the keys of its own results file: these helpers give the values, the scripts name them.
 """
 
 from __future__ import annotations
