@@ -21,10 +21,10 @@ from _gpu_check import fp8_check, report_dict
 from _gpu_models import (
     GemmLayer,
     MlpBlock,
-    _gemm_loss,
     build_mlp,
     count_fp8_layers,
     gemm_function,
+    gemm_loss,
     make_dot_general,
     make_mlp_step,
     opt_params,
@@ -142,7 +142,7 @@ def run_gemms(args, backend: str, log) -> list[dict[str, Any]]:
                     layer = GemmLayer(w, make_dot_general(v))
                     if v.startswith("fp8ax"):
                         # Filled histories, no first-call conditional: the lean program.
-                        layer = fp8ax.calibrate(layer, _gemm_loss, [(x, g)])
+                        layer = fp8ax.calibrate(layer, gemm_loss, [(x, g)])
                     jitted, leaves = gemm_function(layer, pass_name)
                     t0 = time.perf_counter()
                     compiled = jitted.lower(leaves, x, g).compile()

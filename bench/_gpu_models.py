@@ -81,7 +81,7 @@ def gemm_function(layer: GemmLayer, pass_name: str):
     return jax.jit(fn), leaves
 
 
-def _gemm_loss(layer: GemmLayer, x: jax.Array, g: jax.Array) -> jax.Array:
+def gemm_loss(layer: GemmLayer, x: jax.Array, g: jax.Array) -> jax.Array:
     return jnp.sum((layer(x) * g).astype(jnp.float32))
 
 
