@@ -401,8 +401,8 @@ class DelayedScaling(AbstractStatefulRecipe):
             plans = self.plan(states, [op.dtype for op in operands])
             plans = lax.optimization_barrier(plans)  # see below (the pipeline does this itself)
             operands = [op._replace(plan=p) for op, p in zip(operands, plans)]
-        scales, seen_amaxes = [], []
-        for op, state in zip(operands, states):  # (`_replace` keeps the order)
+        scales, seen_amaxes, fresh = [], [], []
+        for i, (op, state) in enumerate(zip(operands, states)):  # (`_replace` keeps the order)
             p = op.plan
             fp8_max = _formats.fp8_max(op.dtype)
             if p.used is not None:
@@ -427,6 +427,8 @@ class DelayedScaling(AbstractStatefulRecipe):
                 # `_checked` gives 1 then.)
                 used = _formats.select(p.calibrates, self._checked(seen, p.scale, fp8_max, kept=True), used)
                 inv = None
+            if inv is None:
+                fresh.append(i)
             scales.append((used, _formats.reciprocal(used) if inv is None else inv))
             seen_amaxes.append(seen)
         # The scales not planned from the state alone (a calibrating `select`, which reads
@@ -438,7 +440,6 @@ class DelayedScaling(AbstractStatefulRecipe):
         # bench/state_cost.py's MLP: 48 kernels against 39; inside a scanned stack one
         # fewer per layer). XLA:CPU would copy them into every fusion that reads the
         # scale (`computed_once`).
-        fresh = [i for i, op in enumerate(operands) if op.plan.used is None or op.plan.calibrates is not None]
         if fresh:
             once = _formats.computed_once([scales[i] for i in fresh])
             for i, pair in zip(fresh, once):
