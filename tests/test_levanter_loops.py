@@ -189,6 +189,42 @@ def test_named_state_axes_under_haliax_tools(getkey):
     assert jax.tree.structure(grads) == jax.tree.structure(eqx.filter(model, eqx.is_array))
 
 
+def test_named_state_children_unflatten_without_haliax_checks(getkey, monkeypatch):
+    # A state's NamedArray children are rebuilt at every unflatten of the model (two or three
+    # per call of a jitted step). They are NamedArrays to Haliax's tools and keep a
+    # NamedArray's tree path, but unflatten without `NamedArray.__init__`, whose checks cost
+    # more than the rest of the state's host work (bench/state_cost.py, `stack16`).
+    model = fp8ax.fp8_linear_layers(Deep.init(key=getkey()))
+    dg = model.blocks.stacked.mlp.up_proj.dot_general
+    (child,) = jax.tree.leaves(dg.lhs, is_leaf=hax.is_named_array)
+    assert hax.is_named_array(child) and type(child) is not hax.NamedArray
+    plain = hax.named(child.array, child.axes)
+    ((plain_path, _),) = jax.tree_util.tree_flatten_with_path(plain)[0]
+    ((child_path, _),) = jax.tree_util.tree_flatten_with_path(child)[0]
+    assert child_path == plain_path
+
+    calls = []
+    init = hax.NamedArray.__init__
+    monkeypatch.setattr(hax.NamedArray, "__init__", lambda self, *a, **k: (calls.append(1), init(self, *a, **k))[1])
+    leaves, treedef = jax.tree.flatten(dg)
+    again = jax.tree.unflatten(treedef, leaves)
+    assert calls == []
+    assert jax.tree.structure(again) == treedef
+    np.testing.assert_array_equal(np.asarray(again.lhs.amax_history), np.asarray(dg.lhs.amax_history))
+    # Concrete children are kept: the next flatten hands out the same objects.
+    kids = jax.tree.leaves(again, is_leaf=hax.is_named_array)
+    assert all(a is b for a, b in zip(kids, jax.tree.leaves(again, is_leaf=hax.is_named_array), strict=True))
+    monkeypatch.undo()
+
+    # A Haliax op on a child returns a plain NamedArray; the state takes it back, and
+    # flattens to the same structure as before.
+    doubled = hax.tree_util.tree_map(lambda a: a * 2, dg)
+    assert jax.tree.structure(doubled) == treedef
+    np.testing.assert_array_equal(np.asarray(doubled.lhs.unit), 2 * np.asarray(dg.lhs.unit))
+    stepped = eqx.filter_jit(lambda m: m)(model)
+    assert jax.tree.structure(stepped) == jax.tree.structure(model)
+
+
 def test_zero_state_written_by_haliax_reads_as_fresh(getkey, data):
     # Haliax's apply_updates writes the zero "gradient" of an unused layer over its state.
     # It reads as a fresh state: the next call calibrates (or, without first-call

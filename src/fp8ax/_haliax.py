@@ -250,15 +250,41 @@ def _axes_value(kind: str, axes: tuple[tuple[str, int], ...]) -> tuple:
     return tuple(hx.Axis(name, size) for name, size in axes)
 
 
+@functools.cache
+def state_named_class() -> type:
+    # A subclass of `haliax.NamedArray` (so every Haliax tool treats it as one) with its
+    # own pytree registration, whose unflatten sets the two fields instead of calling
+    # `NamedArray.__init__`. A state's children are rebuilt on every unflatten of the model
+    # (two or three per call of a jitted step: the outputs, Equinox's `combine`), and
+    # `__init__`'s checks (axis-spec parsing, `typing` instance checks) cost about 30 us
+    # each, more than the rest of the state's host work together. The node keeps
+    # Haliax's aux data (the names, or the `Axis` objects) and its unkeyed child, so tree
+    # paths (checkpoints) read as they do for a `NamedArray`. A Haliax op on it returns a
+    # plain `NamedArray`, which the state's unflatten accepts as well.
+    base, kind = _named_layout()
+
+    def rebuild(aux: Any, children: Any) -> Any:
+        out = object.__new__(cls)
+        object.__setattr__(out, "array", children[0])
+        object.__setattr__(out, kind, aux)
+        return out
+
+    doc = "A `haliax.NamedArray` child of an fp8ax state (built without Haliax's checks)."
+    cls = type(base)("StateNamedArray", (base,), {"__module__": __name__, "__doc__": doc})
+    jax.tree_util.register_pytree_node(cls, lambda x: ((x.array,), getattr(x, kind)), rebuild)
+    return cls
+
+
 def named(value: Any, axes: tuple[tuple[str, int], ...]) -> Any:
     """`value` as a `haliax.NamedArray` with `axes` (name, size) pairs. `value` may be any
     pytree leaf a transformation puts there (None, a `ShapeDtypeStruct`, a sharding).
 
     Built the way Haliax's own unflatten builds one, without its checks (`axes` fit
     `value` by construction): a model's state is flattened on every call of a jitted
-    step, and `NamedArray.__init__` costs some 40 times more."""
-    cls, kind = _named_layout()
-    out = object.__new__(cls)
+    step, and `NamedArray.__init__` costs some 40 times more. Its class is a subclass of
+    `NamedArray` that unflattens without the checks too (`state_named_class`)."""
+    _, kind = _named_layout()
+    out = object.__new__(state_named_class())
     object.__setattr__(out, "array", value)
     object.__setattr__(out, kind, _axes_value(kind, axes))
     return out

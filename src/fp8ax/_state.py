@@ -131,6 +131,19 @@ class AbstractState:
         named_array = _haliax.named_array_class()
         if named_array is None:
             return cls._make(children, None, label)
+        kept = _kept_children(children, len(cls.fields))
+        if kept is not None:
+            # What a training loop's model holds, step after step: the children this
+            # class flattens to, with concrete float32 arrays. They are kept as they
+            # are, as the values and as the children of the next flatten.
+            values, axes = kept
+            state = object.__new__(cls)
+            object.__setattr__(state, "_values", values)
+            object.__setattr__(state, "_leaves", values)
+            object.__setattr__(state, "_axes", axes)
+            object.__setattr__(state, "_label", label)
+            object.__setattr__(state, "_kids", tuple(children))
+            return state
         values, axes, named = [], [], False
         for child in children:
             if isinstance(child, named_array):
@@ -419,6 +432,25 @@ _SOURCE_OF: dict[int, tuple[weakref.ref, Any]] = {}  # id(float32 tracer) -> (tr
 def _remember(leaf, value) -> None:
     key, table = id(leaf), _SOURCE_OF  # the callback may run at exit, after module globals are cleared
     table[key] = (weakref.ref(leaf, lambda _: table.pop(key, None)), value)
+
+
+def _kept_children(children, count: int) -> tuple | None:
+    """`(values, axes)` of a state whose `count` children are all what `_children` builds
+    from concrete float32 values (`_haliax.named`'s class, holding a float32 array that is
+    no tracer: what `_enter` passes through unchanged); None otherwise."""
+    kind = _haliax.state_named_class()
+    if len(children) != count:
+        return None
+    values, axes = [], []
+    for child in children:
+        if type(child) is not kind:
+            return None
+        value = child.array
+        if getattr(value, "dtype", None) != _F32 or isinstance(value, jax.core.Tracer):
+            return None
+        values.append(value)
+        axes.append(_haliax.axis_pairs(child))
+    return tuple(values), tuple(axes)
 
 
 # The tracers `jax.grad` (`jax.vjp`, `jax.linearize`) makes of the inputs it
