@@ -4,6 +4,9 @@
 # replay. Levanter itself is not installed in CI; examples/levanter_llama.py runs its
 # `Trainer` (docs/levanter.md says where it was run).
 
+import copy
+import pickle
+
 import equinox as eqx
 import haliax as hax
 import haliax.quantization as haxq
@@ -223,6 +226,10 @@ def test_named_state_children_unflatten_without_haliax_checks(getkey, monkeypatc
     np.testing.assert_array_equal(np.asarray(doubled.lhs.unit), 2 * np.asarray(dg.lhs.unit))
     stepped = eqx.filter_jit(lambda m: m)(model)
     assert jax.tree.structure(stepped) == jax.tree.structure(model)
+    # Pickled (Ray) and deep-copied, the model and a child alone keep their structure.
+    for copied in (pickle.loads(pickle.dumps(stepped)), copy.deepcopy(stepped)):
+        assert jax.tree.structure(copied) == jax.tree.structure(model)
+    assert type(pickle.loads(pickle.dumps(child))) is type(child)
 
 
 def test_zero_state_written_by_haliax_reads_as_fresh(getkey, data):

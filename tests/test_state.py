@@ -249,3 +249,18 @@ def test_scaling_state_arguments_are_checked_and_its_parts_are_not_leaves():
     assert float(state.unit) == 0.5 and jax.tree.leaves(state)[0].shape == (6,)
     with pytest.raises(AttributeError, match=r"replace the state: `eqx.tree_at\(lambda m: m.lhs"):
         eqx.tree_at(lambda s: s.scale, state, jnp.ones(()))
+
+
+def test_a_trained_layer_pickles_and_deep_copies(getkey):
+    # Ray and `copy.deepcopy` go through pickle's protocol: the immutable state is rebuilt
+    # with its values, bit for bit, and the copy trains on as the original does.
+    import copy
+    import pickle
+
+    dg = _trained(getkey)
+    x, w, gy = (jax.random.normal(getkey(), s) for s in ((4, 8), (8, 3), (4, 3)))
+    step = eqx.filter_grad(lambda dg: jnp.sum(dg(x, w, DIMS) * gy))
+    for copied in (pickle.loads(pickle.dumps(dg)), copy.deepcopy(dg)):
+        assert jax.tree.structure(copied) == jax.tree.structure(dg)
+        _assert_same_state(_state(copied), _state(dg))
+        _assert_same_state(_state(step(copied)), _state(step(dg)))

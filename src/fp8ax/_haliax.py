@@ -275,6 +275,16 @@ def state_named_class() -> type:
     return cls
 
 
+if not TYPE_CHECKING:  # (so that the type checker still flags a misspelt attribute)
+
+    def __getattr__(name: str) -> Any:
+        # `StateNamedArray` is made when Haliax is first used; pickle finds it by this
+        # name, in a process that has not made it yet too.
+        if name == "StateNamedArray":
+            return state_named_class()
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def named(value: Any, axes: tuple[tuple[str, int], ...]) -> Any:
     """`value` as a `haliax.NamedArray` with `axes` (name, size) pairs. `value` may be any
     pytree leaf a transformation puts there (None, a `ShapeDtypeStruct`, a sharding).

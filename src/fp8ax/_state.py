@@ -200,6 +200,12 @@ class AbstractState:
     def __setattr__(self, name, value):
         raise AttributeError(f"{type(self).__name__} is immutable; build a new one instead.")
 
+    def __reduce__(self):
+        # Pickling (Ray, `copy.deepcopy`): the values as float32, the axis names and the
+        # label; the immutable state is rebuilt through `_make`, not attribute by attribute.
+        values = tuple(as_f32(v) for v in self._values)
+        return type(self)._make, (values, self._axes, self._label)
+
     def __repr__(self) -> str:
         inner = ", ".join(f"{name}={_short(v)}" for name, v in zip(self.fields, self._values))
         return f"{type(self).__name__}({inner})"
