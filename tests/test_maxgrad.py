@@ -240,3 +240,51 @@ def test_missing_extended_dtype_protocol_is_a_clear_import_error(module, name):
     assert out.startswith("ImportError:"), out
     assert f"jax {jax.__version__}" in out and f"jax._src.{module}.{name}" in out, out
     assert "jax>=0.10,<0.13" in out, out
+
+
+def test_conversions_linearise_without_jax_fallback(getkey, monkeypatch):
+    # `jax.grad` linearises the state's conversions and its use watch with rules of their
+    # own (JAX's fallback traces the JVP rule into a jaxpr at every use: a fifth of a deep
+    # model's trace). On every JAX fp8ax supports the rule is registered, the gradients and
+    # the new state are those the fallback gives, and an unused layer is still reported.
+    from jax._src.interpreters import ad
+
+    prims = (_maxgrad._to_f32_p, _maxgrad._to_max_p, _maxgrad._watch_p)
+    assert _maxgrad._linearization_protocol() in (4, 5)
+    assert all(p in ad.primitive_linearizations for p in prims)
+
+    x, w, gy = (jax.random.normal(getkey(), s) for s in ((4, 8), (8, 3), (4, 3)))
+    model = fp8ax.fp8_linear_layers(
+        eqx.nn.Sequential([eqx.nn.Linear(8, 8, key=getkey()), eqx.nn.Linear(8, 3, key=getkey())])
+    )
+
+    def loss(m):  # the first layer twice (merged by max), the second once
+        first = jax.vmap(m.layers[0])
+        return jnp.sum(jax.vmap(m.layers[1])(first(first(x * 2))) * gy)
+
+    def grads():
+        g = eqx.filter_grad(loss)(model)
+        return [np.asarray(a) for a in jax.tree.leaves(g)]
+
+    fallbacks = []
+    fallback = ad.fallback_linearize_rule
+    monkeypatch.setattr(
+        ad, "fallback_linearize_rule", lambda p, *a, **k: (fallbacks.append(p), fallback(p, *a, **k))[1]
+    )
+    with_rules = grads()
+    assert not [p for p in fallbacks if p in prims]
+    for p in prims:
+        monkeypatch.delitem(ad.primitive_linearizations, p)
+    without = grads()
+    assert [p for p in fallbacks if p in prims]
+    assert len(with_rules) == len(without)
+    for a, b in zip(with_rules, without):
+        np.testing.assert_array_equal(a, b)
+    monkeypatch.undo()
+
+    # (A label no other test uses: a layer any earlier trace called is not reported.)
+    pair = fp8ax.fp8_linear_layers(
+        {"linearised": eqx.nn.Linear(8, 8, key=getkey()), "never": eqx.nn.Linear(8, 8, key=getkey())}
+    )
+    with pytest.warns(fp8ax.UnusedLayerWarning, match="`never` is never called"):
+        eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m["linearised"])(x)))(pair)

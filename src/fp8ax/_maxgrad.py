@@ -248,6 +248,51 @@ _ad.deflinear2(_to_max_p, _transpose(lambda: _to_f32_p))
 _ad.deflinear2(_to_f32_p, _transpose(lambda: _to_max_p))
 
 
+def _linearization_protocol() -> int | None:
+    """How many values JAX's linearisation expects from a primitive's rule: 4 (jax
+    0.10), 5 (jax 0.11 and 0.12: a structured residual too), or None where this JAX's
+    `LinearizeTrace` is neither (then no rule is registered, and JAX linearises through
+    the JVP rules, as it would without them)."""
+    try:
+        from jax._src.interpreters import ad
+
+        names = ad.LinearizeTrace.process_primitive.__code__.co_varnames
+        ad.primitive_linearizations  # noqa: B018 (it must exist)
+    except (ImportError, AttributeError):
+        return None
+    if "linearized" not in names or "residuals" not in names:
+        return None
+    return 5 if "structured_res" in names else 4
+
+
+def _def_linear_linearization(prim, primal=None, on_call=None) -> None:
+    """Registers how `jax.grad` (`jax.linearize`, `jax.vjp`) linearises a unary linear
+    primitive: its output is `primal(x)` (default: the primitive applied to `x`), its
+    tangent the primitive applied to the input's. JAX's fallback gets there through the
+    JVP rule by tracing it into a jaxpr of its own at every use, and every flatten of a
+    traced state converts (docs/how-it-works.md): on a 48-layer stack the fallback was a
+    fifth of the step's trace. `on_call(**params)` runs where the JVP rule would."""
+    protocol = _linearization_protocol()
+    if protocol is None:
+        return
+    from jax._src.interpreters import ad
+
+    def rule(_is_vjp, nonzeros, x, **params):
+        if on_call is not None:
+            on_call(**params)
+        out = prim.bind(x, **params) if primal is None else primal(x)
+        # (JAX calls a rule only when the input's tangent is nonzero.)
+        if protocol == 4:
+            return out, nonzeros[0], (), lambda _res, t: prim.bind(t, **params)
+        return out, nonzeros[0], (), None, lambda _res, _structured, t: prim.bind(t, **params)
+
+    ad.primitive_linearizations[prim] = rule
+
+
+_def_linear_linearization(_to_max_p)
+_def_linear_linearization(_to_f32_p)
+
+
 class UnusedLayerWarning(UserWarning):
     """An FP8 layer's state got no cotangent from the function being differentiated: the
     training step never called the layer (see `watch_use`)."""
@@ -312,6 +357,8 @@ _mlir.register_lowering(_watch_p, _mlir.lower_fun(lambda x, *, label: x, multipl
 _batching.primitive_batchers[_watch_p] = lambda args, dims, *, label: (_watch_p.bind(args[0], label=label), dims[0])
 _ad.primitive_jvps[_watch_p] = _watch_jvp
 _ad.primitive_transposes[_watch_p] = _watch_transpose
+# As `_watch_jvp`: the primal passes through, the tangent is watched.
+_def_linear_linearization(_watch_p, primal=lambda x: x, on_call=lambda *, label: _WATCHED.add(label))
 
 
 def watch_use(x, label: str):
