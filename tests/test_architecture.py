@@ -14,7 +14,8 @@ Layers, bottom to top (a unit imports from its own layer or lower ones only; no 
 Rules, each checked on the real source and shown to fail on a planted violation:
 
 - imports flow downwards, and no unit imports itself back through another (no cycle);
-- no private name crosses units (`from ._x import _name`, or `_x._name` through a module);
+- no private name crosses units (`from ._x import _name`, or `_x._name` through a module),
+  nor modules inside a unit (what a subpackage's modules share has a public name);
 - recipes are leaves: a recipe module imports no other recipe, and only the public
   `__init__` and the default setting import a concrete recipe;
 - `jax._src` only in the modules of `JAX_SRC`;
@@ -222,6 +223,18 @@ def private_crossings(source: dict[str, str]) -> list[str]:
     return sorted(out)
 
 
+def private_inside_a_unit(source: dict[str, str]) -> list[str]:
+    """Inside a subpackage, a module's private names are its own: what its siblings use
+    of it has a public name (the package itself is private; its `__init__.py` says what
+    the rest of fp8ax may use)."""
+    out = []
+    for m, imp in _all_imports(source).items():
+        for frm, name in imp.names + imp.attributes:
+            if frm != m and _unit(frm) == _unit(m) and _private(name) and f"{frm}.{name}" not in source:
+                out.append(f"{m} uses {frm}.{name}")
+    return sorted(out)
+
+
 def _exports(source: dict[str, str], package: str) -> set[str]:
     """The names a subpackage's `__init__.py` binds: what the rest of fp8ax may use."""
     names = set()
@@ -315,6 +328,10 @@ def test_no_private_name_crosses_units():
     assert not private_crossings(_source())
 
 
+def test_no_private_name_crosses_modules_inside_a_unit():
+    assert private_inside_a_unit(_source()) == []
+
+
 def test_subpackages_are_used_through_their_door():
     assert not past_the_door(_source())
 
@@ -358,6 +375,8 @@ def _plant(module: str, line: str) -> dict[str, str]:
         (upward, "_recipes.delayed", "from .._gemm import GemmSettings"),
         (private_crossings, "_update", "from ._state import _private_helper"),
         (private_crossings, "_inspect.stats", "from .. import _formats\nx = _formats._hidden"),
+        (private_inside_a_unit, "_gemm.dense", "from .operands import _private_helper"),
+        (private_inside_a_unit, "_serving.convert", "from . import codec\nx = codec._hidden"),
         (past_the_door, "_model.dot_general", "from .._gemm.dense import quantized_dot"),
         (past_the_door, "_update", "from ._gemm import Role"),
         (past_the_door, "_serving.ops", "from .. import _gemm\nx = _gemm.passes"),
@@ -384,5 +403,10 @@ def test_a_planted_cycle_is_found():
     assert "_formats" in graph["_state"]
     graph["_formats"].add("_state")
     assert cycle(graph) is not None
+    # A cycle between units of one layer (each edge allowed on its own): the cycle rule
+    # is what catches it.
+    source = _plant("_formats", "from . import _rounding")
+    assert "_formats" in unit_graph(source)["_rounding"] and not upward(source)
+    assert cycle(unit_graph(source)) is not None
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert cycle({"a": {"b"}, "b": set()}) is None

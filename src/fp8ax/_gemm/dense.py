@@ -30,23 +30,23 @@ from .. import _boundaries
 from .._quantized import QuantizedArray
 from .dims import bwd_layout, oriented_gemm, sharded_like
 from .kernels import (
-    _fp8_pair,
-    _ndim,
+    fp8_pair,
+    ndim_of,
     run_gemm,
 )
 from .operands import (
     ROLES,
     Call,
-    _grad_once,
-    _gradient_keys,
-    _lay_out_by_axis_mapping,
-    _planned_scales,
-    _plans,
-    _quantize_together,
-    _reusable,
-    _states,
+    grad_once,
+    gradient_keys,
+    lay_out_by_axis_mapping,
+    plan_call,
+    planned_scales,
     quantize,
+    quantize_together,
     reduce_to,
+    reusable,
+    states_by_role,
 )
 from .passes import once_per_signature, state_in, state_out
 from .residuals import keep, kept
@@ -69,20 +69,20 @@ def _fwd(call: Call, lhs, rhs, *raw):
 @once_per_signature("fp8ax.Fp8DotGeneral.forward")
 def _forward(call: Call, lhs, rhs, *raw):
     st = call.settings
-    states = _states(raw)
-    plans, products = _plans(call, states)
+    states = states_by_role(raw)
+    plans, products = plan_call(call, states)
     (lc, rc), _ = call.dims
     ql = qr = new_l = new_r = None
     if "fwd" not in st.high_precision_gemms:
-        (ql, new_l), (qr, new_r) = _quantize_together(
+        (ql, new_l), (qr, new_r) = quantize_together(
             call,
             [("lhs", lhs, lc, states["lhs"], None, plans["lhs"]), ("rhs", rhs, rc, states["rhs"], None, plans["rhs"])],
         )
         if qr is not None and states["rhs"] is not None and st.fp8_all_gather_axes is not None:
-            qr = qr.with_values(_lay_out_by_axis_mapping(qr.values, st.fp8_all_gather_axes))
+            qr = qr.with_values(lay_out_by_axis_mapping(qr.values, st.fp8_all_gather_axes))
     # A GEMM's precomputed output scale serves only operands quantized with the planned
     # scales (the very arrays the plan holds).
-    planned = _planned_scales(call, plans)
+    planned = planned_scales(call, plans)
 
     def is_planned(q, role):
         return q is not None and planned[role] is not None and q.scale is planned[role]
@@ -91,8 +91,8 @@ def _forward(call: Call, lhs, rhs, *raw):
     out = run_gemm(call, ql, lhs, qr, rhs, call.dims, call.fwd_precision, call.out_dtype, fwd_scale)
     # Keep the quantized operand for the backward pass where it serves as it is (tensor
     # scale, GEMM not in high precision); otherwise the operand itself.
-    res_l = ql if _reusable(call, "lhs", ql) and "drhs" not in st.high_precision_gemms else lhs
-    res_r = qr if _reusable(call, "rhs", qr) and "dlhs" not in st.high_precision_gemms else rhs
+    res_l = ql if reusable(call, "lhs", ql) and "drhs" not in st.high_precision_gemms else lhs
+    res_r = qr if reusable(call, "rhs", qr) and "dlhs" not in st.high_precision_gemms else rhs
     # The backward GEMMs' output scales, where the forward copy they reuse is planned
     # (the gradient's side is checked in `_bwd`).
     bwd_scales = (
@@ -118,15 +118,15 @@ def _backward(call: Call, residuals, g):
     st = call.settings
     (res_l, res_r), (new_l, new_r), (g_state, g_plan, (dlhs_scale, drhs_scale)) = kept(residuals)
     (_, _), (_, rb) = call.dims
-    lay = bwd_layout(call.dims, _ndim(res_l), _ndim(res_r))
+    lay = bwd_layout(call.dims, ndim_of(res_l), ndim_of(res_r))
     hp = st.high_precision_gemms
     grad_recipe = st.operand_recipe("grad")
 
-    keys = _gradient_keys(grad_recipe, g)
+    keys = gradient_keys(grad_recipe, g)
     # A tensor-wise, round-to-nearest gradient is quantized once for both GEMMs (and a
     # stateful recipe observes it once).
     shared_g, new_g = None, None
-    if _grad_once(call):
+    if grad_once(call):
         shared_g, new_g = quantize(call, "grad", g, lay.g_rfree, g_state, plan=g_plan)
     g_planned = (
         g_plan is not None and shared_g is not None and (shared_g.scale is stateful_recipe(st).planned_scale(g_plan))
@@ -176,7 +176,7 @@ def _gemm_fn(call: Call, qa, a, qb, b, precision, out_dtype, scale=None):
     then accumulates in full precision, not with cuBLASLt's fast FP8 accumulation, which
     loses accuracy over the long contractions of the weight gradient (TransformerEngine,
     torchao and DeepSeek-V3 make the same choice). Any other precision is kept."""
-    if precision in (None, lax.Precision.DEFAULT) and _fp8_pair(qa, qb):
+    if precision in (None, lax.Precision.DEFAULT) and fp8_pair(qa, qb):
         precision = lax.Precision.HIGHEST
 
     def gemm(swapped, dims):
@@ -193,7 +193,7 @@ def _drhs(call: Call, res_l, res_r, g, shared_g, scale, key):
     `scale` the GEMM's output scale, if it was planned.)"""
     st = call.settings
     (_, _), (lb, _) = call.dims
-    lay = bwd_layout(call.dims, _ndim(res_l), _ndim(res_r))
+    lay = bwd_layout(call.dims, ndim_of(res_l), ndim_of(res_r))
     if "drhs" in st.high_precision_gemms:
         (ql, lhs), (qg, g2) = (None, res_l), (None, g)
     else:

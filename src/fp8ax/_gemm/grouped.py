@@ -36,20 +36,20 @@ if TYPE_CHECKING:
 from .._quantized import QuantizedArray
 from .operands import (
     Call,
-    _checked_result,
-    _f32,
-    _grad_once,
-    _gradient_keys,
-    _is_fp8,
-    _lay_out_by_axis_mapping,
-    _operand_for,
-    _plainly_scaled,
-    _plans,
-    _quantize_together,
-    _reusable,
-    _states,
+    checked_result,
+    float32_of,
+    grad_once,
+    gradient_keys,
+    is_fp8_dtype,
+    lay_out_by_axis_mapping,
+    operand_for,
+    plainly_scaled,
+    plan_call,
     quantize,
+    quantize_together,
     reduce_to,
+    reusable,
+    states_by_role,
 )
 from .passes import once_per_signature, state_in, state_out
 from .residuals import keep, kept
@@ -86,13 +86,13 @@ def group_ids(group_sizes, rows: int) -> Array:
 
 def _factored(q: QuantizedArray, contracted) -> bool:
     """Whether `q`'s scale factors out of a GEMM contracting `contracted`."""
-    return q.outer_scale is None and _plainly_scaled(q) and q.constant_along(contracted)
+    return q.outer_scale is None and plainly_scaled(q) and q.constant_along(contracted)
 
 
 def _output_scale(kind: str, sa, sb, ids) -> Array:
     """The product of the two operands' (factored) scales, laid out like the output of
     ragged dot `kind`; `ids` are the rows' groups."""
-    sa, sb = _f32(sa), _f32(sb)
+    sa, sb = float32_of(sa), float32_of(sb)
     if kind == "fwd":  # sa: () or (M, 1); sb: () or (G, 1, N|1) -> (M, N|1)
         sb = sb if sb.ndim == 0 else sb[:, 0, :][ids]
         return sa * sb
@@ -113,18 +113,18 @@ def ragged_gemm(rc: RaggedCall, kind: str, qa, a, qb, b, group_sizes, precision,
     if st.mode == "direct" and qa is not None and qb is not None and _factored(qa, ca) and _factored(qb, cb):
         va, vb = qa.values, qb.values
         ints = np.dtype(va.dtype) == np.dtype(vb.dtype) == np.dtype(np.int8)
-        if ints or (_is_fp8(va.dtype) and _is_fp8(vb.dtype)):
+        if ints or (is_fp8_dtype(va.dtype) and is_fp8_dtype(vb.dtype)):
             # The kernel's computation: low-precision values, wide accumulation, then the
             # scales (per row for the group-dependent ones).
             acc = _batchable_ragged(kind, precision, np.dtype(np.int32 if ints else np.float32))(va, vb, group_sizes)
             ids = group_ids(group_sizes, a.shape[0]) if kind != "drhs" else None
             scale = _output_scale(kind, qa.expanded_scale(), qb.expanded_scale(), ids)
-            return (_f32(acc) * scale).astype(out_dtype)
+            return (float32_of(acc) * scale).astype(out_dtype)
     # Dequantize, then a float32 ragged dot: block scales, `"qdq"` mode, an operand kept
     # in high precision. The dequantization of FP8/FP4 values and their scales is exact
     # in float32 (a two-level NVFP4 scale rounds once).
-    da = qa.dequantize(jnp.float32) if qa is not None else _f32(a)
-    db = qb.dequantize(jnp.float32) if qb is not None else _f32(b)
+    da = qa.dequantize(jnp.float32) if qa is not None else float32_of(a)
+    db = qb.dequantize(jnp.float32) if qb is not None else float32_of(b)
     out = _batchable_ragged(kind, precision, np.dtype(np.float32))(da, db, group_sizes)
     return out.astype(out_dtype)
 
@@ -168,11 +168,11 @@ def quantize_weights(rc: RaggedCall, w, axes, state, plan, group_sizes=None):
     inner = tuple(a - 1 for a in axes)
 
     def one(wg, sg, used):
-        op = _operand_for(call, "rhs", wg, inner, sg)
+        op = operand_for(call, "rhs", wg, inner, sg)
         if used is not None:
             merge = op.merge
             op = op._replace(merge=lambda v: jax.tree.map(lambda a: jnp.where(used, a, jnp.zeros_like(a)), merge(v)))
-        q, new = _checked_result(recipe, op, recipe.quantize_operands([op])[0])
+        q, new = checked_result(recipe, op, recipe.quantize_operands([op])[0])
         return (q.values, q.scale, q.outer_scale), new
 
     used = None if group_sizes is None or state is None else lax.gt(group_sizes, jnp.zeros_like(group_sizes))
@@ -210,8 +210,8 @@ def quantize_tokens(rc: RaggedCall, role: Role, x, axes, state, plan, group_size
     def one(start, end, sg):
         inside = lax.bitwise_and(lax.ge(rows, start), lax.lt(rows, end))
         xg = jnp.where(lax.broadcast_in_dim(inside, x.shape, (0,)), x, jnp.zeros_like(x))
-        op = _operand_for(call, role, xg, axes, sg, key)
-        q, new = _checked_result(recipe, op, recipe.quantize_operands([op])[0])
+        op = operand_for(call, role, xg, axes, sg, key)
+        q, new = checked_result(recipe, op, recipe.quantize_operands([op])[0])
         return (q.values, q.scale), new
 
     (values, scales), new = jax.vmap(one)(starts, ends, state)
@@ -245,21 +245,21 @@ def _fwd(rc: RaggedCall, lhs, rhs, group_sizes, *raw):
 def _forward(rc: RaggedCall, lhs, rhs, group_sizes, *raw):
     call = rc.call
     st = call.settings
-    states = _states(raw)
+    states = states_by_role(raw)
     # Per-expert weights and per-group tokens plan their own scales (under `vmap`).
     plan_states = dict(states)
     if rc.per_expert:
         plan_states["rhs"] = None
     if rc.per_group:
         plan_states["lhs"] = plan_states["grad"] = None
-    plans, _ = _plans(call, plan_states)
+    plans, _ = plan_call(call, plan_states)
     ql = qr = new_l = new_r = None
     if "fwd" not in st.high_precision_gemms:
         if rc.per_expert or rc.per_group:
             ql, new_l = quantize_tokens(rc, "lhs", lhs, (1,), states["lhs"], plans["lhs"], group_sizes)
             qr, new_r = quantize_weights(rc, rhs, (1,), states["rhs"], plans["rhs"], group_sizes)
         else:
-            (ql, new_l), (qr, new_r) = _quantize_together(
+            (ql, new_l), (qr, new_r) = quantize_together(
                 call,
                 [
                     ("lhs", lhs, (1,), states["lhs"], None, plans["lhs"]),
@@ -267,10 +267,10 @@ def _forward(rc: RaggedCall, lhs, rhs, group_sizes, *raw):
                 ],
             )
         if qr is not None and states["rhs"] is not None and st.fp8_all_gather_axes is not None:
-            qr = qr.with_values(_lay_out_by_axis_mapping(qr.values, st.fp8_all_gather_axes))
+            qr = qr.with_values(lay_out_by_axis_mapping(qr.values, st.fp8_all_gather_axes))
     out = ragged_gemm(rc, "fwd", ql, lhs, qr, rhs, group_sizes, call.fwd_precision, call.out_dtype)
-    res_l = ql if _reusable(call, "lhs", ql) and "drhs" not in st.high_precision_gemms else lhs
-    res_r = qr if _reusable(call, "rhs", qr) and "dlhs" not in st.high_precision_gemms else rhs
+    res_l = ql if reusable(call, "lhs", ql) and "drhs" not in st.high_precision_gemms else lhs
+    res_r = qr if reusable(call, "rhs", qr) and "dlhs" not in st.high_precision_gemms else rhs
     # As in `dense._fwd`: low-precision arrays leave as their bits, small float32 ones
     # packed (residuals.py).
     with_state = (plan_states["lhs"] is not None, plan_states["rhs"] is not None)  # one scale for all, from the state
@@ -289,7 +289,7 @@ def _operand(rc: RaggedCall, role: Role, res, axes, key=None):
 def _backward_precision(precision, qa, qb):
     # As `dense._gemm_fn`: full-precision accumulation for two FP8 operands.
     if precision in (None, lax.Precision.DEFAULT) and qa is not None and qb is not None:
-        if _is_fp8(qa.values.dtype) and _is_fp8(qb.values.dtype):
+        if is_fp8_dtype(qa.values.dtype) and is_fp8_dtype(qb.values.dtype):
             return lax.Precision.HIGHEST
     return precision
 
@@ -308,9 +308,9 @@ def _backward(rc: RaggedCall, residuals, g):
     lhs_shape = res_l.values.shape if isinstance(res_l, QuantizedArray) else res_l.shape
     rhs_shape = res_r.values.shape if isinstance(res_r, QuantizedArray) else res_r.shape
     grad_recipe = st.operand_recipe("grad")
-    keys = _gradient_keys(grad_recipe, g)
+    keys = gradient_keys(grad_recipe, g)
     shared_g, new_g = None, None
-    if _grad_once(call):
+    if grad_once(call):
         shared_g, new_g = quantize_tokens(rc, "grad", g, (1,), g_state, g_plan, group_sizes)
 
     # d lhs = g . rhs^T per group: contracts the output features.

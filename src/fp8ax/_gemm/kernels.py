@@ -15,10 +15,10 @@ from .._tensor_core import emulated_dot_general
 from .dims import block_scaled_dot, explicit_out_sharding, rescale
 from .operands import (
     Call,
-    _f32,
-    _is_16_bit_float,
-    _is_fp8,
-    _plainly_scaled,
+    float32_of,
+    is_16_bit_float,
+    is_fp8_dtype,
+    plainly_scaled,
 )
 
 
@@ -26,12 +26,12 @@ def _low_precision_pair(qa, qb, dims) -> str | None:
     """The accumulation a GEMM of the two quantized values can run with, if any: their
     scales are constant along the axes it contracts, so they factor out."""
     (lc, rc), _ = dims
-    if not (qa.constant_along(lc) and qb.constant_along(rc) and _plainly_scaled(qa) and _plainly_scaled(qb)):
+    if not (qa.constant_along(lc) and qb.constant_along(rc) and plainly_scaled(qa) and plainly_scaled(qb)):
         return None
     da, db = np.dtype(qa.values.dtype), np.dtype(qb.values.dtype)
     if da == db == np.dtype(np.int8):
         return "int32"
-    if _is_fp8(da) and _is_fp8(db):
+    if is_fp8_dtype(da) and is_fp8_dtype(db):
         return "float32"
     return None
 
@@ -39,7 +39,7 @@ def _low_precision_pair(qa, qb, dims) -> str | None:
 def _epilogue_dtype(qa, qb, out_dtype) -> bool:
     """Whether the scales of an FP8 GEMM go into its epilogue in `out_dtype`: two
     tensor-wise scales and a 16-bit floating output."""
-    return np.ndim(qa.scale) == np.ndim(qb.scale) == 0 and _is_16_bit_float(out_dtype)
+    return np.ndim(qa.scale) == np.ndim(qb.scale) == 0 and is_16_bit_float(out_dtype)
 
 
 # A GEMM is split into chunks of the contraction no shorter than this; scales that vary
@@ -67,14 +67,14 @@ def _others(q, axes) -> tuple[int, ...]:
     return tuple(d for d in range(q.values.ndim) if d not in axes)
 
 
-def _fp8_pair(qa, qb) -> bool:
-    return all(q is not None and _is_fp8(q.values.dtype) for q in (qa, qb))
+def fp8_pair(qa, qb) -> bool:
+    return all(q is not None and is_fp8_dtype(q.values.dtype) for q in (qa, qb))
 
 
 def _dequantize(q: QuantizedArray, dtype):
     if q.outer_scale is not None:
         return q.dequantize(dtype, outer=False)  # the outer scale multiplies the GEMM's result
-    if q.layout == "tensor" and _plainly_scaled(q):
+    if q.layout == "tensor" and plainly_scaled(q):
         # XLA's pattern for an FP8 GEMM: convert to the compute dtype, multiply by the
         # scale in that dtype, dot. `"qdq"` mode relies on XLA rewriting exactly this.
         return q.values.astype(dtype) * q.scale.astype(dtype)
@@ -177,7 +177,7 @@ def run_gemm(call: Call, qa, a, qb, b, dims, precision, out_dtype, scale=None):
         return _block_scaled_gemm(qa, qb, dims).astype(out_dtype)
     if call.settings.mode == "direct" and qa is not None and qb is not None:
         pair = _low_precision_pair(qa, qb, dims)
-        if pair is None and _fp8_pair(qa, qb) and _plainly_scaled(qa) and _plainly_scaled(qb):
+        if pair is None and fp8_pair(qa, qb) and plainly_scaled(qa) and plainly_scaled(qb):
             chunks = chunk_lengths(qa, qb, dims)
             if chunks is not None:
                 # Scales that vary along the contraction (blocks, tiles): one GEMM per chunk
@@ -210,7 +210,7 @@ def run_gemm(call: Call, qa, a, qb, b, dims, precision, out_dtype, scale=None):
                 # unit in the last place apart.
                 out = _dot(qa.values, qb.values, dims, precision, out_dtype)
                 if scale is None:
-                    scale = lax.mul(_f32(qa.scale), _f32(qb.scale))
+                    scale = lax.mul(float32_of(qa.scale), float32_of(qb.scale))
                 scale = lax.convert_element_type(scale, out_dtype)
                 sharding = explicit_out_sharding(qa.values, qb.values, dims)
                 return lax.mul(out, lax.broadcast_in_dim(scale, out.shape, (), out_sharding=sharding))
@@ -258,5 +258,5 @@ def _times_outer(out, outer):
     return lax.mul(out, lax.broadcast_in_dim(outer, out.shape, ()))
 
 
-def _ndim(res) -> int:
+def ndim_of(res) -> int:
     return res.values.ndim if isinstance(res, QuantizedArray) else res.ndim

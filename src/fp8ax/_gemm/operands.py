@@ -55,7 +55,7 @@ def _merge_for(scale):
     return merge
 
 
-def _lay_out_by_axis_mapping(q, axes: tuple[str, ...] | None):
+def lay_out_by_axis_mapping(q, axes: tuple[str, ...] | None):
     """Sharding constraint on a quantized weight: the layout the current Haliax axis
     mapping gives its named axes. The weight is quantized where it lies (sharded, for
     FSDP), so the all-gather that XLA's SPMD partitioner inserts to reach this layout
@@ -71,7 +71,7 @@ def _lay_out_by_axis_mapping(q, axes: tuple[str, ...] | None):
     return lax.bitcast_convert_type(_haliax.shard_by_axis_mapping(bits, axes), q.dtype)
 
 
-def _operand_for(call: Call, role: Role, x, axes, state=None, key=None, plan=None):
+def operand_for(call: Call, role: Role, x, axes, state=None, key=None, plan=None):
     merge = _merge_for(state[0]) if state is not None else (lambda v: v)
     return Operand(x, tuple(axes), _role_dtype(call, role), state, key, merge, plan, role)
 
@@ -79,22 +79,22 @@ def _operand_for(call: Call, role: Role, x, axes, state=None, key=None, plan=Non
 def quantize(call: Call, role: Role, x, axes, state=None, key=None, plan=None):
     """Operand `role` quantized along `axes` (contracted), and its new state. `(None,
     None)` if the settings keep that operand in high precision."""
-    return _quantize_together(call, [(role, x, axes, state, key, plan)])[0]
+    return quantize_together(call, [(role, x, axes, state, key, plan)])[0]
 
 
-def _quantize_together(call: Call, items) -> list:
+def quantize_together(call: Call, items) -> list:
     """`quantize` of several `(role, x, axes, state, key, plan)` of one call, each
     recipe quantizing its operands in one `quantize_operands` (so that delayed scaling
     decides once whether they calibrate)."""
     out: list[Any] = [(None, None)] * len(items)
     for recipe, idx in _by_recipe(call, [item[0] for item in items]):
-        ops = [_operand_for(call, *items[i]) for i in idx]
+        ops = [operand_for(call, *items[i]) for i in idx]
         for i, op, result in zip(idx, ops, recipe.quantize_operands(ops)):
-            out[i] = _checked_result(recipe, op, result)
+            out[i] = checked_result(recipe, op, result)
     return out
 
 
-def _checked_result(recipe, op, result):
+def checked_result(recipe, op, result):
     """A recipe's `(quantized, new_state)` for `op`, checked where a mistake would
     otherwise surface far away (in the VJP's cotangents, or as a wrong state)."""
     name = type(recipe).__name__
@@ -145,7 +145,7 @@ def _by_recipe(call: Call, roles) -> list:
     return groups
 
 
-def _grad_once(call: Call) -> bool:
+def grad_once(call: Call) -> bool:
     """Whether the output gradient is quantized once for both backward GEMMs: a
     tensor-wise, round-to-nearest recipe (and a stateful recipe observes it once)."""
     recipe = call.settings.operand_recipe("grad")
@@ -171,22 +171,22 @@ def _role_dtype(call: Call, role: Role) -> np.dtype:
     return quantizing_recipe(call.settings, role).dtype_for(role)
 
 
-def _planned_scales(call: Call, plans: dict) -> dict:
+def planned_scales(call: Call, plans: dict) -> dict:
     """Each role's planned scale (`AbstractStatefulRecipe.planned_scale`), None where
     the role has no plan or its recipe plans no scale."""
     return {r: None if plans[r] is None else stateful_recipe(call.settings).planned_scale(plans[r]) for r in ROLES}
 
 
-def _is_fp8(dtype) -> bool:
+def is_fp8_dtype(dtype) -> bool:
     dtype = np.dtype(dtype)
     return dtype.itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
 
 
-def _is_16_bit_float(dtype) -> bool:
+def is_16_bit_float(dtype) -> bool:
     return np.dtype(dtype) in (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
-def _plans(call: Call, states: dict) -> tuple[dict, dict]:
+def plan_call(call: Call, states: dict) -> tuple[dict, dict]:
     """Each stateful operand's plan (see `AbstractStatefulRecipe.plan`): a recipe plans
     the operands it quantizes with state in this call, forward ones and the gradient,
     together, in the forward pass.
@@ -202,21 +202,21 @@ def _plans(call: Call, states: dict) -> tuple[dict, dict]:
     roles = [r for r in ROLES if states[r] is not None]
     if "fwd" in call.settings.high_precision_gemms:
         roles = [r for r in roles if r == "grad"]
-    if not _grad_once(call):
+    if not grad_once(call):
         roles = [r for r in roles if r != "grad"]
     for _, idx in _by_recipe(call, roles):  # (a state's recipe is the settings' own)
         planned = stateful_recipe(call.settings).plan(
             [states[roles[i]] for i in idx], [_role_dtype(call, roles[i]) for i in idx]
         )
         plans.update((roles[i], p) for i, p in zip(idx, planned))
-    scales = _planned_scales(call, plans)
+    scales = planned_scales(call, plans)
     if all(s is None for s in scales.values()):
         return plans, {}
     products = {}
     for name, a, b, out_dtype in _gemms(call):
         sa, sb = scales.get(a), scales.get(b)
         if sa is not None and sb is not None and _epilogue_scaled(call, name, a, b, out_dtype):
-            products[name] = lax.mul(_f32(sa), _f32(sb))
+            products[name] = lax.mul(float32_of(sa), float32_of(sb))
     return lax.optimization_barrier((plans, products))
 
 
@@ -227,25 +227,25 @@ def _epilogue_scaled(call: Call, name: str, a: Role, b: Role, out_dtype) -> bool
     st = call.settings
     if st.mode != "direct" or name in st.high_precision_gemms:
         return False
-    return _is_fp8(_role_dtype(call, a)) and _is_fp8(_role_dtype(call, b)) and _is_16_bit_float(out_dtype)
+    return is_fp8_dtype(_role_dtype(call, a)) and is_fp8_dtype(_role_dtype(call, b)) and is_16_bit_float(out_dtype)
 
 
-def _reusable(call: Call, role: Role, q) -> bool:
+def reusable(call: Call, role: Role, q) -> bool:
     """Whether a forward-quantized operand serves the backward GEMM too."""
     return q is not None and quantizing_recipe(call.settings, role).contraction_independent(role)
 
 
-def _plainly_scaled(q) -> bool:
+def plainly_scaled(q) -> bool:
     """Whether `q`'s scale is a float32 multiplier of its values (not E8M0's power of two,
     no implicit exponent): what a kernel's scaling multiplies by."""
     return np.dtype(q.scale.dtype) == np.dtype(np.float32) and q.int_exponent == 0
 
 
-def _f32(x):
+def float32_of(x):
     return lax.convert_element_type(jnp.asarray(x), np.float32)
 
 
-def _states(raw) -> dict:
+def states_by_role(raw) -> dict:
     if not raw:
         return dict.fromkeys(ROLES)
     # The same recipe's state for each role: as many arrays each, in its `fields` order.
@@ -253,7 +253,7 @@ def _states(raw) -> dict:
     return {role: tuple(f32[n * i : n * (i + 1)]) for i, role in enumerate(ROLES)}
 
 
-def _gradient_keys(recipe, g) -> tuple:
+def gradient_keys(recipe, g) -> tuple:
     """The keys the output gradient `g` is rounded with in the two backward GEMMs: from
     the recipe's `rounding_seed("grad")` and `g`'s contents; `(None, None)` to round to
     nearest."""

@@ -36,7 +36,7 @@ def fp8_op(layer: Any) -> Fp8DotGeneral | None:
     return None
 
 
-def _is_fp8(layer: Any) -> bool:
+def is_fp8_layer(layer: Any) -> bool:
     if isinstance(layer, Fp8Linear | Fp8MoELinear):
         return True
     if not _haliax.is_linear(layer):
@@ -50,7 +50,7 @@ def axis_size(spec) -> int:
     return math.prod(a.size for a in spec)
 
 
-def _axis_names(spec) -> set[str]:
+def axis_names(spec) -> set[str]:
     if _haliax.is_axis(spec):
         return {spec.name}
     return {a.name for a in spec}
@@ -77,9 +77,9 @@ def haliax_batch_shape(layer: hnn.Linear | hnn.MoELinear | Fp8MoELinear) -> tupl
 
 def haliax_batch_axes(layer: hnn.Linear | hnn.MoELinear | Fp8MoELinear) -> tuple[tuple[str, int], ...]:
     """`haliax_batch_shape` with the axes' names: `(name, size)` pairs."""
-    own = _axis_names(layer.In) | _axis_names(layer.Out)
+    own = axis_names(layer.In) | axis_names(layer.Out)
     if isinstance(layer, Fp8MoELinear) or _haliax.is_moe_linear(layer):
-        own |= _axis_names(layer.Experts)
+        own |= axis_names(layer.Experts)
     return tuple((ax.name, ax.size) for ax in layer.weight.axes if ax.name not in own)
 
 

@@ -14,10 +14,10 @@ from .. import _haliax
 from .config import Fp8Config
 from .dot_general import Fp8DotGeneral
 from .kinds import (
-    _axis_names,
-    _is_fp8,
+    axis_names,
     haliax_batch_axes,
     haliax_batch_shape,
+    is_fp8_layer,
     is_linear,
     layer_features,
     path_str,
@@ -41,7 +41,7 @@ def decide(path: str, layer: Any, config: Fp8Config) -> Decision:
     """The one rule of the transform, for the linear layer `layer` at dotted `path`:
     [`fp8ax.fp8_linear_layers`][] and [`fp8ax.conversion_report`][] both ask it."""
     selected = config.matches(path, layer)
-    if _is_fp8(layer):
+    if is_fp8_layer(layer):
         if isinstance(layer, Fp8Linear | Fp8MoELinear) or isinstance(layer.dot_general, Fp8DotGeneral):
             reason = "already FP8 (fp8ax); its state is kept"
         else:
@@ -70,7 +70,7 @@ def _converted(node, config: Fp8Config, path: str):
     if _haliax.is_moe_linear(node):
         names = tuple(getattr(node, a).name for a in ("Experts", "In", "Out") if _haliax.is_axis(getattr(node, a)))
         return Fp8MoELinear.from_moe_linear(node, lambda bs, g: config.make_ragged_dot(bs, g, names))
-    own = _axis_names(node.In) | _axis_names(node.Out)
+    own = axis_names(node.In) | axis_names(node.Out)
     rhs_axes = tuple(ax.name for ax in node.weight.axes if ax.name in own)
     dot_general = config.make_dot_general(haliax_batch_shape(node), rhs_axes)
     dot_general = dot_general._with_named_state(haliax_batch_axes(node))._labelled(path)

@@ -26,15 +26,15 @@ from .._state import AbstractState
 NewState = tuple[Array, Array] | None
 
 
-def _fwd_dtype(value):
+def as_fwd_dtype(value):
     return _formats.as_fp8_dtype(value, "fwd_dtype")
 
 
-def _grad_dtype(value):
+def as_grad_dtype(value):
     return _formats.as_fp8_dtype(value, "grad_dtype")
 
 
-def _no_merge(value):
+def no_merge(value):
     return value
 
 
@@ -49,12 +49,12 @@ class Operand(NamedTuple):
     dtype: np.dtype
     state: tuple[Array, ...] | None = None
     key: Any = None
-    merge: Callable[[Array], Array] = _no_merge
+    merge: Callable[[Array], Array] = no_merge
     plan: Any = None
     role: str | None = None
 
 
-def _as_operands(operands) -> list[Operand]:
+def as_operands(operands) -> list[Operand]:
     operands = list(operands)
     for op in operands:
         if not isinstance(op, Operand):
@@ -242,7 +242,7 @@ class AbstractStatefulRecipe(AbstractScalingRecipe):
         *,
         state: tuple[Array, ...] | None = None,
         key: Any = None,
-        merge: Callable[[Array], Array] = _no_merge,
+        merge: Callable[[Array], Array] = no_merge,
     ) -> tuple[QuantizedArray, NewState]:
         """Quantizes `x`, one operand of a GEMM that contracts `contracting_axes`, to
         `dtype` (the recipe's `fwd_dtype` or `grad_dtype`).
@@ -300,5 +300,5 @@ class AbstractStatefulRecipe(AbstractScalingRecipe):
         their plans (see `plan`). This default quantizes them one by one."""
         return [
             self.quantize_operand(op.x, op.contracting_axes, op.dtype, state=op.state, key=op.key, merge=op.merge)
-            for op in _as_operands(operands)
+            for op in as_operands(operands)
         ]

@@ -14,7 +14,7 @@ import numpy as np
 from .. import _formats
 from .._quantized import QuantizedArray, ScaleLayout, expand_tiles
 from .._tiles import run_tiles, tiled_amax
-from .stateless import AbstractStatelessRecipe, _amax_scale, _check_bool
+from .stateless import AbstractStatelessRecipe, amax_scale, check_bool
 
 
 class BlockwiseScaling(AbstractStatelessRecipe):
@@ -59,7 +59,7 @@ class BlockwiseScaling(AbstractStatelessRecipe):
         if isinstance(tile, bool) or not isinstance(tile, int | np.integer) or tile < 1:
             raise ValueError(f"`tile` must be an int >= 1, got {tile!r}.")
         self.tile = int(tile)
-        self.power_of_two = _check_bool(power_of_two, "power_of_two")
+        self.power_of_two = check_bool(power_of_two, "power_of_two")
         self.fwd_dtype, self.grad_dtype = _formats.dtypes_from_formats(formats, fwd_dtype, grad_dtype)
 
     @property
@@ -83,6 +83,6 @@ class BlockwiseScaling(AbstractStatelessRecipe):
         dtype = self.dtype_for(role)
         x = jnp.asarray(x)
         tile = self.tile_for(x.shape, tuple(contracting_axes), role)
-        scale = _amax_scale(tiled_amax(x, tile), _formats.fp8_max(dtype), self.power_of_two)
+        scale = amax_scale(tiled_amax(x, tile), _formats.fp8_max(dtype), self.power_of_two)
         values = _formats.quantize(x, expand_tiles(scale, tile, x.shape), dtype)
         return QuantizedArray(values, scale, tile)

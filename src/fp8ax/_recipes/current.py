@@ -11,12 +11,12 @@ from .._quantized import QuantizedArray, ScaleLayout
 from .stateless import (
     AbstractStatelessRecipe,
     Granularity,
-    _amax_scale,
-    _cast,
-    _check_bool,
-    _check_granularity,
-    _check_rounding,
-    _check_seed,
+    amax_scale,
+    check_bool,
+    check_granularity,
+    check_rounding,
+    check_seed,
+    scaled_cast,
 )
 
 
@@ -64,11 +64,11 @@ class CurrentScaling(AbstractStatelessRecipe):
           `"stochastic"` for the output gradient. (Keyword only argument.)
         - `seed`: seed of the stochastic rounding. (Keyword only argument.)
         """
-        self.granularity = _check_granularity(granularity)
-        self.power_of_two = _check_bool(power_of_two, "power_of_two")
+        self.granularity = check_granularity(granularity)
+        self.power_of_two = check_bool(power_of_two, "power_of_two")
         self.fwd_dtype, self.grad_dtype = _formats.dtypes_from_formats(formats, fwd_dtype, grad_dtype)
-        self.grad_rounding = _check_rounding(grad_rounding)
-        self.seed = _check_seed(seed)
+        self.grad_rounding = check_rounding(grad_rounding)
+        self.seed = check_seed(seed)
 
     @property
     def scale_layout(self) -> ScaleLayout:
@@ -84,8 +84,8 @@ class CurrentScaling(AbstractStatelessRecipe):
         # The project's amax: not finite where a NaN or inf is reduced, whatever the size
         # (XLA:CPU's max of a large array skips NaNs), so such a tensor gets scale 1.
         amax = _formats.amax(x, axes, keepdims=True) if x.size else jnp.ones((1,) * x.ndim, jnp.float32)
-        scale = _amax_scale(amax, _formats.fp8_max(dtype), self.power_of_two)
+        scale = amax_scale(amax, _formats.fp8_max(dtype), self.power_of_two)
         if self.granularity == "tensor":
             scale = jnp.reshape(scale, ())
-        values = _cast(x, scale, dtype, key)
+        values = scaled_cast(x, scale, dtype, key)
         return QuantizedArray(values, scale)

@@ -23,7 +23,7 @@ from .._state import (
     through_unit,
     unit_inverse,
 )
-from .base import AbstractStatefulRecipe, Operand, _as_operands, _fwd_dtype, _grad_dtype, _no_merge
+from .base import AbstractStatefulRecipe, Operand, as_fwd_dtype, as_grad_dtype, as_operands, no_merge
 
 
 def _history_bounds(history):
@@ -156,8 +156,8 @@ class DelayedScaling(AbstractStatefulRecipe):
     margin: int = eqx.field(static=True)
     amax_compute_algo: Literal["max", "most_recent"] = eqx.field(static=True)
     calibrate_first_call: bool = eqx.field(static=True)
-    fwd_dtype: np.dtype = eqx.field(static=True, converter=_fwd_dtype)
-    grad_dtype: np.dtype = eqx.field(static=True, converter=_grad_dtype)
+    fwd_dtype: np.dtype = eqx.field(static=True, converter=as_fwd_dtype)
+    grad_dtype: np.dtype = eqx.field(static=True, converter=as_grad_dtype)
 
     def __init__(
         self,
@@ -319,7 +319,7 @@ class DelayedScaling(AbstractStatefulRecipe):
         history = lax.concatenate([lax.expand_dims(recorded, (recorded.ndim,)), kept], recorded.ndim)
         return _formats.select(valid, scale_used, zero), history
 
-    def quantize_operand(self, x, contracting_axes, dtype, *, state=None, key=None, merge=_no_merge):
+    def quantize_operand(self, x, contracting_axes, dtype, *, state=None, key=None, merge=no_merge):
         return self.quantize_operands([Operand(x, contracting_axes, dtype, state, key, merge)])[0]
 
     def plan(self, states, dtypes=None):
@@ -395,7 +395,7 @@ class DelayedScaling(AbstractStatefulRecipe):
         # no conditional and no host callback (so JAX's persistent compilation cache
         # stores it). The price is that the cast depends on the tensor's amax on every
         # step, as in current scaling.
-        operands = _as_operands(operands)
+        operands = as_operands(operands)
         states = _required_states([op.state for op in operands])
         if any(op.plan is None for op in operands):
             plans = self.plan(states, [op.dtype for op in operands])

@@ -10,7 +10,7 @@ from .. import _formats
 from .._int8 import int8_quantize
 from .._quantized import QuantizedArray, ScaleLayout
 from .._rounding import stochastic_round
-from .stateless import AbstractStatelessRecipe, _check_rounding, _check_seed
+from .stateless import AbstractStatelessRecipe, check_rounding, check_seed
 
 
 class Int8Scaling(AbstractStatelessRecipe):
@@ -34,8 +34,8 @@ class Int8Scaling(AbstractStatelessRecipe):
           output gradient. (Keyword only argument.)
         - `seed`: seed of the stochastic rounding. (Keyword only argument.)
         """
-        self.grad_rounding = _check_rounding(grad_rounding)
-        self.seed = _check_seed(seed)
+        self.grad_rounding = check_rounding(grad_rounding)
+        self.seed = check_seed(seed)
 
     @property
     def fwd_dtype(self) -> np.dtype:

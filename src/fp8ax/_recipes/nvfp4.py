@@ -19,7 +19,7 @@ from .._hadamard import hadamard_16
 from .._quantized import QuantizedArray, ScaleLayout, expand_tiles
 from .._rounding import stochastic_round_e2m1
 from .._tiles import run_tiles, tiled_amax
-from .stateless import AbstractStatelessRecipe, _amax_scale, _check_bool, _check_seed
+from .stateless import AbstractStatelessRecipe, amax_scale, check_bool, check_seed
 
 E2M1 = np.dtype(jnp.float4_e2m1fn)
 E4M3 = np.dtype(jnp.float8_e4m3fn)
@@ -73,10 +73,10 @@ class NVFP4Scaling(AbstractStatelessRecipe):
         - `stochastic_gradients`: stochastic rounding of the output gradient.
         - `seed`: seed of the Hadamard signs and of the stochastic rounding.
         """
-        self.two_d_weights = _check_bool(two_d_weights, "two_d_weights")
-        self.hadamard = _check_bool(hadamard, "hadamard")
-        self.stochastic_gradients = _check_bool(stochastic_gradients, "stochastic_gradients")
-        self.seed = _check_seed(seed)
+        self.two_d_weights = check_bool(two_d_weights, "two_d_weights")
+        self.hadamard = check_bool(hadamard, "hadamard")
+        self.stochastic_gradients = check_bool(stochastic_gradients, "stochastic_gradients")
+        self.seed = check_seed(seed)
 
     @property
     def fwd_dtype(self) -> np.dtype:
@@ -117,7 +117,7 @@ class NVFP4Scaling(AbstractStatelessRecipe):
         tile = self.tile_for(x.shape, tuple(contracting_axes), role)
         # The per-tensor scale: at least the smallest normal float32, 1 for an all-zero
         # tensor or one holding a NaN or inf (as every fp8ax scale).
-        outer = _amax_scale(_formats.amax(x), E4M3_MAX * E2M1_MAX, False)
+        outer = amax_scale(_formats.amax(x), E4M3_MAX * E2M1_MAX, False)
         ratio = lax.div(tiled_amax(x, tile), lax.mul(jnp.float32(E2M1_MAX), outer))
         # A block holding a NaN or inf gets a NaN scale (E2M1 has no NaN), so that it
         # dequantizes to NaN and the GEMM's result shows it.

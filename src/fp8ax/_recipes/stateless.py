@@ -23,7 +23,7 @@ from jaxtyping import Array
 from .. import _formats
 from .._quantized import QuantizedArray
 from .._rounding import stochastic_round
-from .base import AbstractScalingRecipe, _as_operands
+from .base import AbstractScalingRecipe, as_operands
 
 Granularity = Literal["tensor", "row"]
 
@@ -46,7 +46,7 @@ class AbstractStatelessRecipe(AbstractScalingRecipe):
 
     def quantize_operands(self, operands):
         out = []
-        for op in _as_operands(operands):
+        for op in as_operands(operands):
             if op.state is not None:
                 raise ValueError(f"`state` must be None: {type(self).__name__} keeps no state.")
             if op.role not in ("lhs", "rhs", "grad"):
@@ -58,19 +58,19 @@ class AbstractStatelessRecipe(AbstractScalingRecipe):
         return out
 
 
-def _check_granularity(value):
+def check_granularity(value):
     if value not in ("tensor", "row"):
         raise ValueError(f"`granularity` must be 'tensor' or 'row', got {value!r}.")
     return value
 
 
-def _check_bool(value, name):
+def check_bool(value, name):
     if not isinstance(value, bool):
         raise TypeError(f"`{name}` must be a bool, got {value!r}.")
     return value
 
 
-def _amax_scale(amax, bound: float, power_of_two: bool):
+def amax_scale(amax, bound: float, power_of_two: bool):
     """Dequantization scale `amax / bound`, at least the smallest normal float32 (a
     smaller quotient would be flushed to zero: for an amax below `bound * 2**-126`, about
     5.3e-36 for E4M3, the scale is `2**-126` and the values stay below `bound`); 1 where
@@ -97,19 +97,19 @@ def _pow2_at_least(x):
     return lax.bitcast_convert_type(jnp.where(mantissa == 0, bits, up), jnp.float32)
 
 
-def _check_rounding(value):
+def check_rounding(value):
     if value not in ("nearest", "stochastic"):
         raise ValueError(f"`grad_rounding` must be 'nearest' or 'stochastic', got {value!r}.")
     return value
 
 
-def _check_seed(value):
+def check_seed(value):
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise TypeError(f"`seed` must be an int, got {value!r}.")
     return int(value)
 
 
-def _cast(x, scale, dtype, key):
+def scaled_cast(x, scale, dtype, key):
     """`x / scale` rounded to `dtype`: to nearest even, or stochastically with `key`."""
     if key is None:
         return _formats.quantize(x, scale, dtype)

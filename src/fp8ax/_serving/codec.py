@@ -23,7 +23,7 @@ _FP4 = np.dtype(jnp.float4_e2m1fn)
 _E8M0 = np.dtype(jnp.float8_e8m0fnu)
 
 
-def _storable(dtype: np.dtype, layer: str) -> None:
+def storable(dtype: np.dtype, layer: str) -> None:
     if dtype == np.dtype(np.int8) or dtype in _formats.FP8_DTYPES or dtype in (_FP4, _E8M0):
         return
     raise ValueError(

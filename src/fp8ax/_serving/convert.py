@@ -44,7 +44,7 @@ from .._model import (
 from .._quantized import QuantizedArray
 from .._recipes import AbstractStatefulRecipe, Operand
 from .._state import CORRUPT_STATE
-from .codec import _storable, encode, packed_length
+from .codec import encode, packed_length, storable
 from .layers import ServingHaliaxLinear, ServingLinear, ServingMoELinear, is_serving_layer
 from .ops import ServingDotGeneral, ServingRaggedDot
 
@@ -129,7 +129,7 @@ def _freeze(layer: str, op: Fp8DotGeneral, w: Array, quantize, n_batch: int, che
         _check_filled(layer, op, stacked)
     state = tuple(jax.tree.leaves(op.rhs)) if delayed else None
     q = eqx.filter_jit(_vmapped(quantize, n_batch))(w, state)
-    _storable(np.dtype(q.values.dtype), layer)
+    storable(np.dtype(q.values.dtype), layer)
     input_scale = None
     if delayed:
         lhs_dtype = quantizing_recipe(st, "lhs").dtype_for("lhs")
