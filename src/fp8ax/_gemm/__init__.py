@@ -1,10 +1,17 @@
-"""The GEMMs on quantized operands, and their custom VJPs.
+"""The GEMMs on quantized operands, and their custom VJPs. One job per module:
 
 - `settings`: `GemmSettings` (mode, precisions, per-operand recipes, high-precision
   GEMMs) and the keyword arguments the ops take;
-- `dims`: dimension numbers, the backward GEMMs' layout, scales put back on a result;
-- `operands`: quantizing a call's operands with their recipes, plans and state;
-- `kernels`: the GEMM itself (FP8/int8, block-scaled, per-chunk, emulated), shared by
+- `call`: the static part of one call (`Call`) and what its settings say of each
+  operand (recipe, format, reuse, the gradient's rounding keys, its state arrays);
+- `plans`: a stateful recipe's plans of a call's operands, and the GEMMs' output scales
+  known from them;
+- `operands`: quantizing a call's operands with their recipes, and the checks on what a
+  recipe returns;
+- `dims`: dimension numbers, the backward GEMMs' layout, the sharding of a result;
+- `scaled`: a low-precision GEMM's result times its operands' scales (per tensor, per
+  row, per block of the contraction);
+- `kernels`: which GEMM runs (FP8/int8, block-scaled, per-chunk, emulated), shared by
   the dense, grouped and serving paths;
 - `dense`: the custom VJP of a `dot_general` (`quantized_dot`);
 - `grouped`: the custom VJP of a ragged dot (mixture-of-experts);
@@ -15,6 +22,7 @@
 What the ops, serving and the reports use is exported here.
 """
 
+from .call import ROLES as ROLES, Call as Call
 from .dense import quantized_dot as quantized_dot
 from .dims import (
     DimensionNumbers as DimensionNumbers,
@@ -32,7 +40,7 @@ from .grouped import (
     ragged_quantized_dot as ragged_quantized_dot,
 )
 from .kernels import run_gemm as run_gemm
-from .operands import ROLES as ROLES, Call as Call, quantize as quantize
+from .operands import quantize as quantize
 from .settings import (
     GEMM_KEYWORDS as GEMM_KEYWORDS,
     SETTINGS_FIELDS as SETTINGS_FIELDS,

@@ -28,27 +28,16 @@ from jaxtyping import Array
 
 from .. import _boundaries
 from .._quantized import QuantizedArray
+from .call import ROLES, Call, grad_once, gradient_keys, reusable, states_by_role
 from .dims import bwd_layout, oriented_gemm, sharded_like
 from .kernels import (
     fp8_pair,
     ndim_of,
     run_gemm,
 )
-from .operands import (
-    ROLES,
-    Call,
-    grad_once,
-    gradient_keys,
-    lay_out_by_axis_mapping,
-    plan_call,
-    planned_scales,
-    quantize,
-    quantize_together,
-    reduce_to,
-    reusable,
-    states_by_role,
-)
+from .operands import lay_out_by_axis_mapping, quantize, quantize_together, reduce_to
 from .passes import once_per_signature, state_in, state_out
+from .plans import plan_call, planned_scales
 from .residuals import keep, kept
 from .settings import Role, stateful_recipe
 

@@ -34,24 +34,10 @@ if TYPE_CHECKING:
     pass
 
 from .._quantized import QuantizedArray
-from .operands import (
-    Call,
-    checked_result,
-    float32_of,
-    grad_once,
-    gradient_keys,
-    is_fp8_dtype,
-    lay_out_by_axis_mapping,
-    operand_for,
-    plainly_scaled,
-    plan_call,
-    quantize,
-    quantize_together,
-    reduce_to,
-    reusable,
-    states_by_role,
-)
+from .call import Call, float32_of, grad_once, gradient_keys, is_fp8_dtype, plainly_scaled, reusable, states_by_role
+from .operands import checked_result, lay_out_by_axis_mapping, operand_for, quantize, quantize_together, reduce_to
 from .passes import once_per_signature, state_in, state_out
+from .plans import plan_call
 from .residuals import keep, kept
 from .settings import Role, quantizing_recipe
 

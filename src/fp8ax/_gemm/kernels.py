@@ -12,14 +12,9 @@ from jax import lax
 
 from .._quantized import QuantizedArray
 from .._tensor_core import emulated_dot_general
-from .dims import block_scaled_dot, explicit_out_sharding, rescale
-from .operands import (
-    Call,
-    float32_of,
-    is_16_bit_float,
-    is_fp8_dtype,
-    plainly_scaled,
-)
+from .call import Call, float32_of, is_16_bit_float, is_fp8_dtype, plainly_scaled
+from .dims import explicit_out_sharding
+from .scaled import block_scaled_dot, rescale
 
 
 def _low_precision_pair(qa, qb, dims) -> str | None:

@@ -4,7 +4,7 @@
 #
 # Everything specific to the recipe is here: the tile of each role. The GEMM pipeline
 # derives from the quantized values' tiles that the scales vary along the contraction
-# and runs one GEMM per chunk (`_gemm.dims.block_scaled_dot`); serving stores the
+# and runs one GEMM per chunk (`_gemm.scaled.block_scaled_dot`); serving stores the
 # quantized weight with its tile; stats read the tiles through `QuantizedArray`.
 
 import equinox as eqx
