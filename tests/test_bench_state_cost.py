@@ -61,7 +61,9 @@ def test_dry_pass_and_the_bars(dry_run):
         assert fp8ax["kernels_added_per_layer"] <= haliax["kernels_added_per_layer"], (name, row)
         assert fp8ax["kernels_added_per_layer"] <= current["kernels_added_per_layer"] + 12, (name, row)
         for v in ("plain", "haliax", "fp8ax", "fp8ax-bare", "fp8ax-nocal", "fp8ax-current"):
-            assert row[v]["first_step_s"] > 0, (name, v)
+            r = row[v]
+            assert r["lower_s"] > 0 and r["compile_s"] > 0, (name, v)
+            assert r["first_step_s"] == pytest.approx(r["lower_s"] + r["compile_s"], rel=1e-9), (name, v)
             if name == "mlp":  # (the depth series is compiled, not timed)
                 assert row[v]["step_ms"] > 0 and row[v]["host_us"] > 0, (name, v)
 
