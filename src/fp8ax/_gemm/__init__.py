@@ -13,6 +13,8 @@
   row, per block of the contraction);
 - `kernels`: which GEMM runs (FP8/int8, block-scaled, per-chunk, emulated), shared by
   the dense, grouped and serving paths;
+- `backward`: the backward pass both custom VJPs share (the gradient quantized once, the
+  two backward GEMMs each path supplies, the `shard_map` reductions, the new states);
 - `dense`: the custom VJP of a `dot_general` (`quantized_dot`);
 - `grouped`: the custom VJP of a ragged dot (mixture-of-experts);
 - `residuals`: what both custom VJPs keep for the backward pass, low-precision arrays as

@@ -17,7 +17,6 @@
 
 import functools
 import warnings
-from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -28,14 +27,15 @@ from jaxtyping import Array
 
 from .. import _boundaries
 from .._quantized import QuantizedArray
-from .call import ROLES, Call, grad_once, gradient_keys, reusable, states_by_role
+from .backward import three_gemm_backward
+from .call import ROLES, Call, reusable, states_by_role
 from .dims import bwd_layout, oriented_gemm, sharded_like
 from .kernels import (
     fp8_pair,
     ndim_of,
     run_gemm,
 )
-from .operands import lay_out_by_axis_mapping, quantize, quantize_together, reduce_to
+from .operands import lay_out_by_axis_mapping, quantize, quantize_together
 from .passes import once_per_signature, state_in, state_out
 from .plans import plan_call, planned_scales
 from .residuals import keep, kept
@@ -108,49 +108,42 @@ def _backward(call: Call, residuals, g):
     (res_l, res_r), (new_l, new_r), (g_state, g_plan, (dlhs_scale, drhs_scale)) = kept(residuals)
     (_, _), (_, rb) = call.dims
     lay = bwd_layout(call.dims, ndim_of(res_l), ndim_of(res_r))
-    hp = st.high_precision_gemms
-    grad_recipe = st.operand_recipe("grad")
 
-    keys = gradient_keys(grad_recipe, g)
-    # A tensor-wise, round-to-nearest gradient is quantized once for both GEMMs (and a
-    # stateful recipe observes it once).
-    shared_g, new_g = None, None
-    if grad_once(call):
-        shared_g, new_g = quantize(call, "grad", g, lay.g_rfree, g_state, plan=g_plan)
-    g_planned = (
-        g_plan is not None and shared_g is not None and (shared_g.scale is stateful_recipe(st).planned_scale(g_plan))
-    )
-    if not g_planned:
-        dlhs_scale = drhs_scale = None
+    def planned(shared_g, scale):
+        # A GEMM's planned output scale serves only the gradient quantized with its
+        # planned scale (the forward side's copy is checked where it is used).
+        if g_plan is None or shared_g is None or shared_g.scale is not stateful_recipe(st).planned_scale(g_plan):
+            return None
+        return scale
 
-    # d lhs = g . rhs, contracting g's rhs-free dims with rhs's free dims.
-    if "dlhs" in hp:
-        (qg1, g1), (qr1, r1) = (None, g), (None, res_r)
-    else:
-        qg1, g1 = (shared_g, g) if shared_g is not None else (quantize(call, "grad", g, lay.g_rfree, key=keys[0])[0], g)
-        qr1, r1 = _operand(call, "rhs", res_r, lay.r_free)
-    dlhs_scale = dlhs_scale if (qg1 is shared_g and qr1 is res_r) else None
-    dlhs = oriented_gemm(
-        _gemm_fn(call, qg1, g1, qr1, r1, st.dlhs_precision, call.lhs_dtype, dlhs_scale),
-        lay.g_rfree,
-        lay.r_free,
-        lay.g_batch,
-        rb,
-        lay.dlhs_ab,
-        lay.dlhs_ba,
-    )
-    drhs = _batchable_drhs(call)(res_l, res_r, g, shared_g, drhs_scale, keys[1])
-    # Inside `jax.shard_map` the cotangent of an operand that does not vary over a manual
-    # axis (a replicated weight) is summed over it, as JAX's own `dot_general` does.
-    dlhs = reduce_to(sharded_like(dlhs, res_l), call.lhs_vma, lax.psum)
-    drhs = reduce_to(sharded_like(drhs, res_r), call.rhs_vma, lax.psum)
-    if not call.state_is_max:
-        return dlhs, drhs
-    # With state, each operand was quantized with its state (the gradient once, shared by
-    # both GEMMs), so all three new states are set.
-    new_states = cast(tuple[tuple, tuple, tuple], (new_l, new_r, new_g))
-    new = [v for pair in new_states for v in pair]
-    return (dlhs, drhs, *(v.astype(jnp.float32) for v in new))
+    def dlhs(g, shared_g, key):
+        # d lhs = g . rhs, contracting g's rhs-free dims with rhs's free dims.
+        if "dlhs" in st.high_precision_gemms:
+            (qg, g1), (qr, r1) = (None, g), (None, res_r)
+        else:
+            qg = shared_g if shared_g is not None else quantize(call, "grad", g, lay.g_rfree, key=key)[0]
+            g1 = g
+            qr, r1 = _operand(call, "rhs", res_r, lay.r_free)
+        scale = planned(shared_g, dlhs_scale) if (qg is shared_g and qr is res_r) else None
+        out = oriented_gemm(
+            _gemm_fn(call, qg, g1, qr, r1, st.dlhs_precision, call.lhs_dtype, scale),
+            lay.g_rfree,
+            lay.r_free,
+            lay.g_batch,
+            rb,
+            lay.dlhs_ab,
+            lay.dlhs_ba,
+        )
+        return sharded_like(out, res_l)
+
+    def drhs(g, shared_g, key):
+        scale = planned(shared_g, drhs_scale)
+        return sharded_like(_batchable_drhs(call)(res_l, res_r, g, shared_g, scale, key), res_r)
+
+    def quantize_grad(g):
+        return quantize(call, "grad", g, lay.g_rfree, g_state, plan=g_plan)
+
+    return three_gemm_backward(call, g, (new_l, new_r), quantize_grad, dlhs, drhs)
 
 
 def _operand(call: Call, role: Role, res, axes, key=None):

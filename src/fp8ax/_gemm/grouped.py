@@ -21,7 +21,7 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, NamedTuple, cast
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +34,9 @@ if TYPE_CHECKING:
     pass
 
 from .._quantized import QuantizedArray
-from .call import Call, float32_of, grad_once, gradient_keys, is_fp8_dtype, plainly_scaled, reusable, states_by_role
-from .operands import checked_result, lay_out_by_axis_mapping, operand_for, quantize, quantize_together, reduce_to
+from .backward import three_gemm_backward
+from .call import Call, float32_of, is_fp8_dtype, plainly_scaled, reusable, states_by_role
+from .operands import checked_result, lay_out_by_axis_mapping, operand_for, quantize, quantize_together
 from .passes import once_per_signature, state_in, state_out
 from .plans import plan_call
 from .residuals import keep, kept
@@ -293,66 +294,45 @@ def _backward(rc: RaggedCall, residuals, g):
     hp = st.high_precision_gemms
     lhs_shape = res_l.values.shape if isinstance(res_l, QuantizedArray) else res_l.shape
     rhs_shape = res_r.values.shape if isinstance(res_r, QuantizedArray) else res_r.shape
-    grad_recipe = st.operand_recipe("grad")
-    keys = gradient_keys(grad_recipe, g)
-    shared_g, new_g = None, None
-    if grad_once(call):
-        shared_g, new_g = quantize_tokens(rc, "grad", g, (1,), g_state, g_plan, group_sizes)
 
-    # d lhs = g . rhs^T per group: contracts the output features.
-    if "dlhs" in hp:
-        qg1 = qr1 = None
-        r1 = res_r.dequantize(jnp.float32) if isinstance(res_r, QuantizedArray) else res_r
-    else:
-        qg1 = (
-            shared_g
-            if shared_g is not None
-            else quantize_tokens(rc, "grad", g, (1,), None, None, group_sizes, keys[0])[0]
-        )
-        qr1, r1 = _operand(rc, "rhs", res_r, (2,))
-    dlhs = ragged_gemm(
-        rc,
-        "dlhs",
-        qg1,
-        g,
-        qr1,
-        r1,
-        group_sizes,
-        _backward_precision(st.dlhs_precision, qg1, qr1),
-        call.lhs_dtype,
-    )
+    def dlhs(g, shared_g, key):
+        # d lhs = g . rhs^T per group: contracts the output features.
+        if "dlhs" in hp:
+            qg = qr = None
+            r1 = res_r.dequantize(jnp.float32) if isinstance(res_r, QuantizedArray) else res_r
+        else:
+            qg = (
+                shared_g
+                if shared_g is not None
+                else quantize_tokens(rc, "grad", g, (1,), None, None, group_sizes, key)[0]
+            )
+            qr, r1 = _operand(rc, "rhs", res_r, (2,))
+        precision = _backward_precision(st.dlhs_precision, qg, qr)
+        out = ragged_gemm(rc, "dlhs", qg, g, qr, r1, group_sizes, precision, call.lhs_dtype)
+        assert out.shape == lhs_shape, (out.shape, lhs_shape)
+        return out
 
-    # d rhs = lhs^T . g per group: contracts the tokens of each group.
-    if "drhs" in hp:
-        ql2 = qg2 = None
-        l2 = res_l.dequantize(jnp.float32) if isinstance(res_l, QuantizedArray) else res_l
-    else:
-        ql2, l2 = _operand(rc, "lhs", res_l, (0,))
-        qg2 = (
-            shared_g
-            if shared_g is not None
-            else quantize_tokens(rc, "grad", g, (0,), None, None, group_sizes, keys[1])[0]
-        )
-    drhs = ragged_gemm(
-        rc,
-        "drhs",
-        ql2,
-        l2,
-        qg2,
-        g,
-        group_sizes,
-        _backward_precision(st.drhs_precision, ql2, qg2),
-        call.rhs_dtype,
-    )
-    assert dlhs.shape == lhs_shape and drhs.shape == rhs_shape, (dlhs.shape, lhs_shape, drhs.shape, rhs_shape)
-    dlhs = reduce_to(dlhs, call.lhs_vma, lax.psum)
-    drhs = reduce_to(drhs, call.rhs_vma, lax.psum)
-    if not call.state_is_max:
-        return dlhs, drhs
-    # With state, each operand was quantized with its state (the gradient once, shared by
-    # both GEMMs), so all three new states are set.
-    new_states = cast(tuple[tuple, tuple, tuple], (new_l, new_r, new_g))
-    return (dlhs, drhs, *(v.astype(jnp.float32) for pair in new_states for v in pair))
+    def drhs(g, shared_g, key):
+        # d rhs = lhs^T . g per group: contracts the tokens of each group.
+        if "drhs" in hp:
+            ql = qg = None
+            l2 = res_l.dequantize(jnp.float32) if isinstance(res_l, QuantizedArray) else res_l
+        else:
+            ql, l2 = _operand(rc, "lhs", res_l, (0,))
+            qg = (
+                shared_g
+                if shared_g is not None
+                else quantize_tokens(rc, "grad", g, (0,), None, None, group_sizes, key)[0]
+            )
+        precision = _backward_precision(st.drhs_precision, ql, qg)
+        out = ragged_gemm(rc, "drhs", ql, l2, qg, g, group_sizes, precision, call.rhs_dtype)
+        assert out.shape == rhs_shape, (out.shape, rhs_shape)
+        return out
+
+    def quantize_grad(g):
+        return quantize_tokens(rc, "grad", g, (1,), g_state, g_plan, group_sizes)
+
+    return three_gemm_backward(call, g, (new_l, new_r), quantize_grad, dlhs, drhs)
 
 
 ragged_quantized_dot.defvjp(_fwd, _bwd)
