@@ -469,6 +469,16 @@ def test_every_gemm_setting_reads_the_same_on_ops_and_config():
 
     views = {name for name, value in vars(SettingsView).items() if isinstance(value, property)}
     assert views == set(SETTINGS_FIELDS), sorted(views ^ set(SETTINGS_FIELDS))
+    # The other typed copies of the names agree too: the constructor's arguments, in the
+    # fields' order, and the keywords the ops and the config pass on (all but the two
+    # positional ones).
+    import inspect
+
+    from fp8ax._gemm import GEMM_KEYWORDS
+
+    params = list(inspect.signature(fp8ax.GemmSettings.__init__).parameters)[1:]
+    assert params == list(SETTINGS_FIELDS), (params, SETTINGS_FIELDS)
+    assert list(GEMM_KEYWORDS) == [f for f in SETTINGS_FIELDS if f not in ("recipe", "mode")], GEMM_KEYWORDS
     acc = fp8ax.EmulatedAccumulation()
     settings = fp8ax.GemmSettings(fp8ax.CurrentScaling(), accumulation=acc, high_precision_gemms=("drhs",))
     grouped = fp8ax.GemmSettings(fp8ax.MXScaling(), block_scaled_gemm=False, high_precision_gemms=("dlhs",))
