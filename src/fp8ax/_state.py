@@ -85,13 +85,16 @@ class AbstractState:
             )
         self._set(values, None)
 
-    def _set(self, values, label: str | None) -> None:
+    def _set(self, values, label: str | None, axes: Any = None) -> None:
         entered = [_enter(v, label) for v in values]
-        object.__setattr__(self, "_values", tuple([v for v, _ in entered]))
-        object.__setattr__(self, "_leaves", tuple([leaf for _, leaf in entered]))
-        object.__setattr__(self, "_axes", None)
+        self._assign(tuple([v for v, _ in entered]), tuple([leaf for _, leaf in entered]), axes, label, None)
+
+    def _assign(self, values: tuple, leaves: tuple, axes: Any, label: str | None, kids: tuple | None) -> None:
+        object.__setattr__(self, "_values", values)
+        object.__setattr__(self, "_leaves", leaves)
+        object.__setattr__(self, "_axes", axes)
         object.__setattr__(self, "_label", label)
-        object.__setattr__(self, "_kids", None)
+        object.__setattr__(self, "_kids", kids)
 
     def _leaf(self, i):
         leaf = self._leaves[i]
@@ -138,11 +141,7 @@ class AbstractState:
             # are, as the values and as the children of the next flatten.
             values, axes = kept
             state = object.__new__(cls)
-            object.__setattr__(state, "_values", values)
-            object.__setattr__(state, "_leaves", values)
-            object.__setattr__(state, "_axes", axes)
-            object.__setattr__(state, "_label", label)
-            object.__setattr__(state, "_kids", tuple(children))
+            state._assign(values, values, axes, label, tuple(children))
             return state
         values, axes, named = [], [], False
         for child in children:
@@ -163,8 +162,7 @@ class AbstractState:
         if len(values) != len(cls.fields):
             raise TypeError(f"`{cls.__name__}` holds {len(cls.fields)} arrays {cls.fields}, got {len(values)}.")
         state = object.__new__(cls)
-        state._set(values, label)
-        object.__setattr__(state, "_axes", axes)
+        state._set(values, label, axes)
         return state
 
     def _labelled(self, label: str) -> Self:

@@ -12,12 +12,23 @@ import jax.numpy as jnp
 from jax import lax
 
 from .call import Call, grad_once, gradient_keys
+from .kernels import fp8_pair
 from .operands import reduce_to
 
 # `gradient(g, shared_g, key)`: one backward GEMM's result, given the output gradient,
 # the gradient quantized once for both GEMMs (None where it is not), and the key that
 # rounds the gradient where this GEMM quantizes it itself.
 Gradient = Callable[[Any, Any, Any], Any]
+
+
+def backward_precision(precision, qa, qb):
+    """A backward GEMM's precision. On two FP8 operands the default is `HIGHEST`: XLA:GPU
+    then accumulates in full precision, not with cuBLASLt's fast FP8 accumulation, which
+    loses accuracy over the long contractions of the weight gradient (TransformerEngine,
+    torchao and DeepSeek-V3 make the same choice). Any other precision is kept."""
+    if precision in (None, lax.Precision.DEFAULT) and fp8_pair(qa, qb):
+        return lax.Precision.HIGHEST
+    return precision
 
 
 def three_gemm_backward(

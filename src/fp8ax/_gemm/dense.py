@@ -27,11 +27,10 @@ from jaxtyping import Array
 
 from .. import _boundaries
 from .._quantized import QuantizedArray
-from .backward import three_gemm_backward
+from .backward import backward_precision, three_gemm_backward
 from .call import ROLES, Call, reusable, states_by_role
 from .dims import bwd_layout, oriented_gemm, sharded_like
 from .kernels import (
-    fp8_pair,
     ndim_of,
     run_gemm,
 )
@@ -154,12 +153,8 @@ def _operand(call: Call, role: Role, res, axes, key=None):
 
 
 def _gemm_fn(call: Call, qa, a, qb, b, precision, out_dtype, scale=None):
-    """A backward GEMM. On two FP8 operands its default precision is `HIGHEST`: XLA:GPU
-    then accumulates in full precision, not with cuBLASLt's fast FP8 accumulation, which
-    loses accuracy over the long contractions of the weight gradient (TransformerEngine,
-    torchao and DeepSeek-V3 make the same choice). Any other precision is kept."""
-    if precision in (None, lax.Precision.DEFAULT) and fp8_pair(qa, qb):
-        precision = lax.Precision.HIGHEST
+    """A backward GEMM, at `backward_precision`."""
+    precision = backward_precision(precision, qa, qb)
 
     def gemm(swapped, dims):
         if swapped:

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     pass
 
 from .._quantized import QuantizedArray
-from .backward import three_gemm_backward
+from .backward import backward_precision, three_gemm_backward
 from .call import Call, float32_of, is_fp8_dtype, plainly_scaled, reusable, states_by_role
 from .operands import checked_result, lay_out_by_axis_mapping, operand_for, quantize, quantize_together
 from .passes import once_per_signature, state_in, state_out
@@ -273,14 +273,6 @@ def _operand(rc: RaggedCall, role: Role, res, axes, key=None):
     return quantize(rc.call, role, res, axes, key=key)[0], res
 
 
-def _backward_precision(precision, qa, qb):
-    # As `dense._gemm_fn`: full-precision accumulation for two FP8 operands.
-    if precision in (None, lax.Precision.DEFAULT) and qa is not None and qb is not None:
-        if is_fp8_dtype(qa.values.dtype) and is_fp8_dtype(qb.values.dtype):
-            return lax.Precision.HIGHEST
-    return precision
-
-
 def _bwd(rc: RaggedCall, residuals, g):
     dlhs, drhs, *new = _backward(rc, residuals, g)
     return (dlhs, drhs, None, *state_out(new, rc.call.state_is_max))
@@ -307,7 +299,7 @@ def _backward(rc: RaggedCall, residuals, g):
                 else quantize_tokens(rc, "grad", g, (1,), None, None, group_sizes, key)[0]
             )
             qr, r1 = _operand(rc, "rhs", res_r, (2,))
-        precision = _backward_precision(st.dlhs_precision, qg, qr)
+        precision = backward_precision(st.dlhs_precision, qg, qr)
         out = ragged_gemm(rc, "dlhs", qg, g, qr, r1, group_sizes, precision, call.lhs_dtype)
         assert out.shape == lhs_shape, (out.shape, lhs_shape)
         return out
@@ -324,7 +316,7 @@ def _backward(rc: RaggedCall, residuals, g):
                 if shared_g is not None
                 else quantize_tokens(rc, "grad", g, (0,), None, None, group_sizes, key)[0]
             )
-        precision = _backward_precision(st.drhs_precision, ql, qg)
+        precision = backward_precision(st.drhs_precision, ql, qg)
         out = ragged_gemm(rc, "drhs", ql, l2, qg, g, group_sizes, precision, call.rhs_dtype)
         assert out.shape == rhs_shape, (out.shape, rhs_shape)
         return out
