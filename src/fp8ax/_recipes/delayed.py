@@ -51,18 +51,14 @@ def _kept_scale(scale):
     return _formats.select(_bad_scale(scale), lax.full_like(scale, 1), scale)
 
 
-def _corrupt(longest, lowest, scale):
-    """Whether a state holds values no fp8ax update writes (see `_history_bounds`)."""
-    bad_history = lax.bitwise_or(lax.bitwise_not(lax.is_finite(longest)), lax.lt(lowest, np.float32(0)))
-    return lax.bitwise_or(bad_history, _bad_scale(scale))
-
-
-def _calibrates(longest, lowest, scale, corrupt=None):
+def _calibrates(longest, lowest, scale):
     """Whether a call calibrates: its history is empty (its max is 0) or its state is
-    corrupt (`corrupt`, if it is already computed)."""
-    if corrupt is None:
-        corrupt = _corrupt(longest, lowest, scale)
-    return lax.bitwise_or(lax.eq(longest, np.float32(0)), corrupt)
+    corrupt, holding values no fp8ax update writes (see `_history_bounds`): the max is
+    NaN or inf, the min negative, or the scale not positive and finite. (A max that is
+    not positive and finite covers "empty" and the first case: a negative max has a
+    negative min.)"""
+    bad = lax.bitwise_or(lax.bitwise_not(_positive_finite(longest)), lax.lt(lowest, np.float32(0)))
+    return lax.bitwise_or(bad, _bad_scale(scale))
 
 
 def _required_states(states) -> list[tuple[Array, ...]]:
@@ -87,10 +83,9 @@ class _Plan(NamedTuple):
     calibrates: Array | None  # the operand's flag "calibrates" (None without `calibrate_first_call`)
     inv_unit: Array  # `unit_inverse` of the state's unit, which reads the stored values
     scale: Array  # the scale the state stands for, or 1 where that is 0 or corrupt (`_kept_scale`)
-    longest: Array | None  # the history's max (None where the delayed scale is planned)
-    lowest: Array | None  # and min
-    used: Array | None = None  # the delayed scale, from the state alone (None if planned without formats)
-    inv: Array | None = None  # and its reciprocal, the cast's multiplier
+    past: Array | None  # the amax the history gives (None where the delayed scale is planned)
+    used: Array | None = None  # the delayed scale, from the state alone (planned with the formats
+    inv: Array | None = None  # and without the first-call calibration), and its reciprocal
 
 
 def _through_unit(inv, scale, longest, lowest):
@@ -112,10 +107,6 @@ def _groups(states) -> list[list[int]]:
         key = tuple((jnp.shape(v), vma(v)) for v in state)
         groups.setdefault(key, []).append(i)
     return list(groups.values())
-
-
-def _column(x, i):
-    return lax.index_in_dim(x, i, axis=-1, keepdims=False)
 
 
 def _columns(x, n: int) -> list:
@@ -348,31 +339,24 @@ class DelayedScaling(AbstractStatefulRecipe):
             scales, longest, lowest = _through_unit(inv_units, scales, *_history_bounds(histories))
             flags = _calibrates(longest, lowest, scales) if self.calibrate_first_call else None
             scales = _kept_scale(scales)
+            if self.amax_compute_algo == "max":
+                past = longest
+            else:
+                newest = lax.index_in_dim(histories, 0, axis=histories.ndim - 1, keepdims=False)
+                past = through_unit(inv_units, newest, 0)
+            if flags is None:
+                # A corrupt history gives no amax. (With the calibration, such a call
+                # calibrates and does not read `past`.)
+                past = _formats.select(lax.ge(lowest, np.float32(0)), past, lax.full_like(past, 0))
             used = inv = None
-            if dtypes is not None:
-                if self.amax_compute_algo == "max":
-                    past = longest
-                else:
-                    newest = lax.index_in_dim(histories, 0, axis=histories.ndim - 1, keepdims=False)
-                    past = through_unit(inv_units, newest, 0)
-                past = _formats.select(lax.ge(lowest, np.float32(0)), past, lax.full_like(longest, 0))
+            if dtypes is not None and flags is None:
                 used = self._checked(past, scales, tuple(_formats.fp8_max(dtypes[i]) for i in idx), kept=True)
                 inv = _formats.reciprocal(used)
-            flags, inv_units, scales, longest, lowest, used, inv = _formats.computed_once(
-                (flags, inv_units, scales, longest, lowest, used, inv), fence=False
+                past = None
+            flags, inv_units, scales, past, used, inv = _formats.computed_once(
+                (flags, inv_units, scales, past, used, inv), fence=False
             )
-            columns = [
-                _columns(a, len(idx))
-                for a in (
-                    flags,
-                    inv_units,
-                    scales,
-                    None if used is not None else longest,
-                    None if used is not None else lowest,
-                    used,
-                    inv,
-                )
-            ]
+            columns = [_columns(a, len(idx)) for a in (flags, inv_units, scales, past, used, inv)]
             for k, i in enumerate(idx):
                 plans[i] = _Plan(*(c[k] for c in columns))
         return plans
@@ -405,27 +389,22 @@ class DelayedScaling(AbstractStatefulRecipe):
         for i, (op, state) in enumerate(zip(operands, states)):  # (`_replace` keeps the order)
             p = op.plan
             fp8_max = _formats.fp8_max(op.dtype)
-            if p.used is not None:
-                used, inv = p.used, p.inv  # planned from the state alone
-            else:  # a plan made without the formats
-                if self.amax_compute_algo == "max":
-                    past = p.longest
-                else:
-                    past = through_unit(p.inv_unit, _column(stored_history(state), 0), 0)
-                past = _formats.select(lax.ge(p.lowest, np.float32(0)), past, lax.full_like(p.longest, 0))
-                used = self._checked(past, p.scale, fp8_max, kept=True)
-                inv = None
             # One observation for the whole call: under `vmap` and `shard_map`, the max
             # over the examples and shards the state does not vary over.
             seen = op.merge(_formats.amax(op.x))
-            if p.calibrates is not None:
-                # A history no fp8ax update writes (a negative, NaN or inf entry: the state
-                # went through an optimizer) calibrates too, so training stays right;
-                # fp8ax raises on it wherever it sees the state's values
-                # (`fp8ax.check_state`).
-                # (A corrupt scale is no fallback for a tensor that observes nothing:
-                # `_checked` gives 1 then.)
-                used = _formats.select(p.calibrates, self._checked(seen, p.scale, fp8_max, kept=True), used)
+            if p.used is not None:
+                used, inv = p.used, p.inv  # planned from the state alone
+            else:
+                past = p.past
+                if p.calibrates is not None:
+                    # A history no fp8ax update writes (a negative, NaN or inf entry: the
+                    # state went through an optimizer) calibrates too, so training stays
+                    # right; fp8ax raises on it wherever it sees the state's values
+                    # (`fp8ax.check_state`). (A corrupt scale is no fallback for a tensor
+                    # that observes nothing: `_checked` gives 1 then.) One `_checked` of
+                    # the selected amax is the `select` of the two scales.
+                    past = _formats.select(p.calibrates, seen, past)
+                used = self._checked(past, p.scale, fp8_max, kept=True)
                 inv = None
             if inv is None:
                 fresh.append(i)
