@@ -336,6 +336,33 @@ def test_serving_is_bit_exact(name, per_group, getkey):
         jax.grad(lambda x: hax.sum(serving(hax.named(x, (Tok, Embed)), sizes)).scalar())(x.array)
 
 
+def test_cast_floating_leaves_moe_serving_scales_alone(getkey):
+    """`cast_floating` of a served MoE model keeps the grouped GEMM's scales float32 and
+    its stored values (the scales were cast to bfloat16 before); the layer then computes
+    in bfloat16, as the cast training layer does, under strict dtype promotion. On a
+    bfloat16 input a layer's output is the float32 serving layer's within bfloat16's
+    rounding of the bias and the output (2**-7 of the value, or of the largest one)."""
+    model = fp8ax.fp8_linear_layers(_moe(getkey()))
+    x = hax.random.normal(getkey(), (Tok, Embed))
+    all_experts = hax.named(jnp.array([6, 6, 6, 6], jnp.int32), Experts)
+    trained = eqx.filter_jit(lambda m: _step(m, lambda m: hax.sum(m(x, all_experts) ** 2).scalar()))(model)
+    serving = fp8ax.to_serving(trained)
+    cast = fp8ax.cast_floating(serving, jnp.bfloat16)
+    for layer, was in ((cast.up, serving.up), (cast.down, serving.down)):
+        assert layer.ragged.weight_scale.dtype == layer.ragged.input_scale.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(layer.ragged.weight_scale), np.asarray(was.ragged.weight_scale))
+        np.testing.assert_array_equal(np.asarray(layer.weight.array), np.asarray(was.weight.array))
+        assert layer.bias.array.dtype == jnp.bfloat16
+    # One layer on a bfloat16 input: both quantize the same values with the same scale
+    # and run the same GEMM; the cast layer rounds its bias and output to bfloat16.
+    xb = x.astype(jnp.bfloat16)
+    got = eqx.filter_jit(lambda m: m(xb, all_experts))(cast.up)
+    assert got.array.dtype == jnp.bfloat16
+    want = np.asarray(eqx.filter_jit(lambda m: m(xb.astype(jnp.float32), all_experts))(serving.up).array)
+    np.testing.assert_allclose(np.asarray(got.array, np.float64), want, rtol=2.0**-7, atol=2.0**-7 * np.abs(want).max())
+    assert eqx.filter_jit(lambda m: m(xb, all_experts))(cast).array.dtype == jnp.bfloat16
+
+
 def test_serving_needs_every_expert_observed(getkey):
     """A delayed-scaling expert that no token ever reached has no scale to freeze:
     `to_serving` names the layer and the expert."""

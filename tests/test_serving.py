@@ -271,6 +271,9 @@ def test_cast_floating_leaves_serving_scales_alone(getkey):
     cast = fp8ax.cast_floating(serving, jnp.bfloat16)
     assert cast.up_proj.dot_general.weight_scale.dtype == jnp.float32
     assert cast.up_proj.bias.array.dtype == jnp.bfloat16
+    # The stored values stay; the layer computes in bfloat16, as the cast training layer.
+    assert cast.up_proj.weight.array.dtype == serving.up_proj.weight.array.dtype
+    assert _forward(cast, x.astype(jnp.bfloat16)).dtype == jnp.bfloat16
     blunt = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if eqx.is_inexact_array(a) else a, serving)
     with pytest.raises(TypeError, match=r"`up_proj`: `weight_scale` has dtype bfloat16.*fp8ax\.cast_floating"):
         blunt(x)

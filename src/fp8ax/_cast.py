@@ -1,3 +1,4 @@
+import dataclasses
 from typing import TypeVar
 
 import equinox as eqx
@@ -5,10 +6,13 @@ import jax.numpy as jnp
 import jax.tree_util as jtu
 import numpy as np
 
-from ._serving import ServingDotGeneral
+from ._serving import ServingDotGeneral, ServingRaggedDot
 from ._state import AbstractState
 
 T = TypeVar("T")
+
+# What keeps its dtypes: FP8 state, and the scales of the serving GEMMs (dense and grouped).
+_KEPT = (AbstractState, ServingDotGeneral, ServingRaggedDot)
 
 
 def cast_floating(model: T, dtype) -> T:
@@ -28,7 +32,9 @@ def cast_floating(model: T, dtype) -> T:
     **Returns:**
 
     A copy of `model` with its floating-point arrays cast, FP8 state and serving scales
-    untouched.
+    untouched. A serving layer's stored low-precision values stay as they are; the
+    weight they stand for counts as cast, so the layer computes in `dtype` as the cast
+    training layer would.
     """
     try:
         dtype = np.dtype(dtype)
@@ -38,10 +44,16 @@ def cast_floating(model: T, dtype) -> T:
         raise TypeError(f"`dtype` must be a floating dtype, got {dtype}.")
 
     def cast(x):
-        if isinstance(x, AbstractState | ServingDotGeneral):
+        if isinstance(x, ServingDotGeneral | ServingRaggedDot):
+            # The stored values and scales stay; the weight the layer stands for is cast
+            # (the GEMM's output dtype follows it, as the cast training layer's would).
+            if jnp.issubdtype(x.weight_dtype, jnp.floating):
+                return dataclasses.replace(x, weight_dtype=dtype)
+            return x
+        if isinstance(x, AbstractState):
             return x
         if eqx.is_inexact_array(x) and jnp.issubdtype(x.dtype, jnp.floating):
             return x.astype(dtype)
         return x
 
-    return jtu.tree_map(cast, model, is_leaf=lambda x: isinstance(x, AbstractState | ServingDotGeneral))
+    return jtu.tree_map(cast, model, is_leaf=lambda x: isinstance(x, _KEPT))
