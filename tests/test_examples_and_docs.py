@@ -209,7 +209,7 @@ def test_lm_example_data_is_plain_text():
 MARKER = "<!-- runnable -->"
 DOC_PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 # Pages that must keep runnable blocks: a guard against markers being dropped by accident.
-PAGES_WITH_RUNNABLE_BLOCKS = {"index.md", "state.md", "recipes.md", "migrating.md", "serving.md"}
+PAGES_WITH_RUNNABLE_BLOCKS = {"index.md", "state.md", "recipes.md", "migrating.md", "serving.md", "choosing-layers.md"}
 
 
 def runnable_blocks(text: str) -> list[tuple[int, str]]:

@@ -41,6 +41,8 @@ from ._model import (
     Fp8Linear as Fp8Linear,
     Fp8MoELinear as Fp8MoELinear,
     Fp8RaggedDot as Fp8RaggedDot,
+    LayerKind as LayerKind,
+    register_layer_kind as register_layer_kind,
 )
 from ._quantized import QuantizedArray as QuantizedArray
 from ._state import (

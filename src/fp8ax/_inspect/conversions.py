@@ -10,13 +10,11 @@ import jax.tree_util as jtu
 from .. import _haliax
 from .._model import (
     Fp8Config,
-    Fp8Linear,
-    Fp8MoELinear,
     axis_size,
     config_problem,
     decide,
-    haliax_batch_shape,
     is_linear,
+    kind_of,
     layer_features,
     path_str,
 )
@@ -160,22 +158,21 @@ def _targets_str(targets) -> str:
 
 
 def _kind(layer: Any) -> str:
+    kind = kind_of(layer)
+    if kind is not None:
+        return kind.report_name(layer)
     cls = type(layer)
     modules = [("eqx.nn.", eqx.nn)] + ([("hax.nn.", _haliax.hnn())] if _haliax.loaded() else [])
     for prefix, module in modules:
         if getattr(module, cls.__name__, None) is cls:
             return prefix + cls.__name__
-    if cls is Fp8Linear:
-        return "fp8ax.Fp8Linear"
-    if cls is Fp8MoELinear:
-        return "fp8ax.Fp8MoELinear"
     return cls.__name__
 
 
 def _stacked(layer: Any) -> tuple[int, ...]:
-    if _haliax.is_linear(layer) or _haliax.is_moe_linear(layer) or isinstance(layer, Fp8MoELinear):
-        return haliax_batch_shape(layer)
-    return tuple(int(d) for d in layer.weight.shape[:-2])
+    kind = kind_of(layer)
+    assert kind is not None
+    return kind.stacked_shape(layer)
 
 
 def _other_sizes(layer: Any) -> tuple[int | None, int | None]:

@@ -23,10 +23,10 @@ import jax.tree_util as jtu
 import numpy as np
 from jaxtyping import Array
 
-from .. import _formats, _haliax
+from .. import _formats
 from .._gemm import bwd_layout, stateful_recipe
 from .._maxgrad import merged_amax
-from .._model import Fp8DotGeneral, Fp8Linear, Fp8RaggedDot, haliax_batch_shape, path_str
+from .._model import Fp8DotGeneral, Fp8RaggedDot, fp8_op, kind_of, path_str
 from .._quantized import QuantizedArray
 from .._recipes import Operand
 from .._state import CORRUPT_STATE
@@ -48,27 +48,22 @@ def _layers(model) -> list[tuple[str, Fp8DotGeneral, tuple[int, ...]]]:
         name = path_str(path)
         if isinstance(node, Fp8DotGeneral):
             out.append((name or "dot_general", node, _state_shape(node)))
-        elif isinstance(node.dot_general, Fp8DotGeneral):
-            out.append((name or "(root)", node.dot_general, _holder_shape(node)))
+        else:
+            kind, op = kind_of(node), fp8_op(node)
+            assert kind is not None and op is not None
+            out.append((name or "(root)", op, kind.stacked_shape(node)))
     return out
 
 
 def _is_holder(x) -> bool:
-    return isinstance(x, Fp8DotGeneral | Fp8Linear) or (
-        _haliax.is_linear(x) and isinstance(x.dot_general, Fp8DotGeneral)
-    )
+    """A bare `Fp8DotGeneral`, or a converted layer of a registered kind holding one."""
+    return isinstance(x, Fp8DotGeneral) or isinstance(fp8_op(x), Fp8DotGeneral)
 
 
 def _state_shape(dg: Fp8DotGeneral) -> tuple[int, ...]:
     if isinstance(dg, Fp8RaggedDot):
         return dg.layer_batch_shape  # without the per-expert or per-group dimension
     return dg.lhs.batch_shape if dg.lhs is not None else ()
-
-
-def _holder_shape(layer) -> tuple[int, ...]:
-    if _haliax.is_linear(layer):
-        return haliax_batch_shape(layer)
-    return tuple(int(d) for d in layer.weight.shape[:-2])
 
 
 def _index_str(index: tuple[int, ...]) -> str:
@@ -222,11 +217,12 @@ def _wrapped(model, layers):
             return node  # grouped GEMMs: not observed (their operands are ragged)
         if isinstance(node, Fp8DotGeneral):
             return wrap(node)
-        if isinstance(node, Fp8Linear):
-            return eqx.tree_at(lambda m: m.dot_general, node, wrap(node.dot_general))
-        if _haliax.is_linear(node) and isinstance(node.dot_general, Fp8DotGeneral):
-            return eqx.tree_at(lambda m: m.dot_general, node, wrap(node.dot_general))
-        return node
+        op = fp8_op(node)
+        if op is None or isinstance(op, Fp8RaggedDot):
+            return node
+        kind = kind_of(node)
+        assert kind is not None
+        return kind.with_op(node, wrap(op))
 
     return jtu.tree_map(visit, model, is_leaf=_is_holder)
 

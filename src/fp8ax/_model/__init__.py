@@ -5,7 +5,9 @@
   one-time warning about GPU compile time, and `compiler_options`, what avoids it;
 - `config`: `Fp8Config`, which builds the ops for each layer;
 - `linear`: `Fp8Linear` (Equinox); `moe`: `Fp8MoELinear` (Haliax mixture of experts);
-- `kinds`: the one list of layer kinds (linear, FP8, their features and stacked shapes);
+- `layer_kind`: `LayerKind`, what a kind of layer tells fp8ax, and the one list of kinds;
+  `linear`, `haliax_linear` and `moe` each define a built-in kind, which `kinds`
+  registers (and answers the other modules' questions about a layer by its kind);
 - `transform`: `fp8_linear_layers`, `strip_fp8`, and the decision per layer.
 
 This is the one unit besides the `_haliax` door that imports Haliax, at run time.
@@ -21,12 +23,16 @@ from .dot_general import (
     with_out_sharding as with_out_sharding,
 )
 from .kinds import (
+    LayerKind as LayerKind,
     axis_size as axis_size,
     fp8_op as fp8_op,
     haliax_batch_shape as haliax_batch_shape,
     is_linear as is_linear,
+    kind_of as kind_of,
     layer_features as layer_features,
+    layer_kinds as layer_kinds,
     path_str as path_str,
+    register_layer_kind as register_layer_kind,
 )
 from .linear import Fp8Linear as Fp8Linear, linear_call as linear_call
 from .moe import Fp8MoELinear as Fp8MoELinear, moe_call as moe_call

@@ -1,86 +1,66 @@
-# The kinds of layer fp8ax knows, in one place: which layers are linear (and so
-# convertible), which are FP8 already, and their features and stacked shapes.
+# The kinds of layer fp8ax knows, in one place: the built-in `LayerKind`s registered, and
+# what the other modules ask of a layer, answered by its kind.
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import equinox as eqx
 import jax.tree_util as jtu
 
-if TYPE_CHECKING:
-    import haliax.nn as hnn
-
-from .. import _haliax
 from .dot_general import Fp8DotGeneral
-from .linear import Fp8Linear
-from .moe import Fp8MoELinear
+from .haliax_linear import HaliaxLinearKind, axis_names, axis_size, haliax_batch_axes, haliax_batch_shape
+from .layer_kind import LayerKind, kind_of, layer_kinds, register_layer_kind
+from .linear import EquinoxLinearKind
+from .moe import HaliaxMoEKind
+
+__all__ = [
+    "LayerKind",
+    "axis_names",
+    "axis_size",
+    "fp8_op",
+    "haliax_batch_axes",
+    "haliax_batch_shape",
+    "is_fp8_layer",
+    "is_linear",
+    "kind_of",
+    "layer_features",
+    "layer_kinds",
+    "path_str",
+    "register_layer_kind",
+]
+
+# The built-in kinds (a kind registered later is asked first).
+for _kind in (EquinoxLinearKind(), HaliaxLinearKind(), HaliaxMoEKind()):
+    register_layer_kind(_kind)
 
 
 def is_linear(x: Any) -> bool:
-    """A training-time linear layer fp8ax converts or has converted: `equinox.nn.Linear`,
-    `haliax.nn.Linear`, `haliax.nn.MoELinear`, `Fp8Linear`, `Fp8MoELinear`."""
-    return isinstance(x, eqx.nn.Linear | Fp8Linear | Fp8MoELinear) or _haliax.is_linear(x) or _haliax.is_moe_linear(x)
+    """A training-time linear layer fp8ax converts or has converted: one a registered
+    `LayerKind` recognises, plain or converted."""
+    return kind_of(x) is not None
 
 
 def fp8_op(layer: Any) -> Fp8DotGeneral | None:
     """The FP8 op of a layer fp8ax converted (its `Fp8DotGeneral`, or an `Fp8MoELinear`'s
     `Fp8RaggedDot`), else None."""
-    if isinstance(layer, Fp8Linear):
-        return layer.dot_general
-    if isinstance(layer, Fp8MoELinear):
-        return layer.ragged
-    if _haliax.is_linear(layer) and isinstance(layer.dot_general, Fp8DotGeneral):
-        return layer.dot_general
-    return None
+    kind = kind_of(layer)
+    if kind is None or not kind.is_converted(layer):
+        return None
+    op = kind.op(layer)
+    return op if isinstance(op, Fp8DotGeneral) else None
 
 
 def is_fp8_layer(layer: Any) -> bool:
-    if isinstance(layer, Fp8Linear | Fp8MoELinear):
-        return True
-    if not _haliax.is_linear(layer):
-        return False
-    return not isinstance(layer.dot_general, _haliax.haxq().DefaultDotGeneralOp)
-
-
-def axis_size(spec) -> int:
-    if _haliax.is_axis(spec):
-        return spec.size
-    return math.prod(a.size for a in spec)
-
-
-def axis_names(spec) -> set[str]:
-    if _haliax.is_axis(spec):
-        return {spec.name}
-    return {a.name for a in spec}
+    """A layer of a registered kind that is already in low precision (kept as it is)."""
+    kind = kind_of(layer)
+    return kind is not None and kind.is_converted(layer)
 
 
 def layer_features(layer) -> tuple[int, int]:
-    if _is_haliax_layer(layer):
-        return axis_size(layer.In), axis_size(layer.Out)
-    fin = 1 if layer.in_features == "scalar" else layer.in_features
-    fout = 1 if layer.out_features == "scalar" else layer.out_features
-    return fin, fout
-
-
-def _is_haliax_layer(layer) -> bool:
-    return isinstance(layer, Fp8MoELinear) or _haliax.is_linear(layer) or _haliax.is_moe_linear(layer)
-
-
-def haliax_batch_shape(layer: hnn.Linear | hnn.MoELinear | Fp8MoELinear) -> tuple[int, ...]:
-    # Axes of the weight that are neither In nor Out (nor a mixture of experts' Experts):
-    # the Block axes added by `haliax.nn.Stacked` (or an ensemble axis): one FP8 state per
-    # stacked layer.
-    return tuple(size for _, size in haliax_batch_axes(layer))
-
-
-def haliax_batch_axes(layer: hnn.Linear | hnn.MoELinear | Fp8MoELinear) -> tuple[tuple[str, int], ...]:
-    """`haliax_batch_shape` with the axes' names: `(name, size)` pairs."""
-    own = axis_names(layer.In) | axis_names(layer.Out)
-    if isinstance(layer, Fp8MoELinear) or _haliax.is_moe_linear(layer):
-        own |= axis_names(layer.Experts)
-    return tuple((ax.name, ax.size) for ax in layer.weight.axes if ax.name not in own)
+    kind = kind_of(layer)
+    if kind is None:
+        raise TypeError(f"{type(layer).__name__} is no layer kind fp8ax knows.")
+    return kind.features(layer)
 
 
 def path_str(path) -> str:

@@ -1,29 +1,12 @@
 from __future__ import annotations
 
-import dataclasses
 import difflib
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, TypeVar
+from typing import Any, Literal, NamedTuple, TypeVar
 
-import equinox as eqx
 import jax.tree_util as jtu
 
-if TYPE_CHECKING:
-    pass
-
-from .. import _haliax
 from .config import Fp8Config
-from .dot_general import Fp8DotGeneral
-from .kinds import (
-    axis_names,
-    haliax_batch_axes,
-    haliax_batch_shape,
-    is_fp8_layer,
-    is_linear,
-    layer_features,
-    path_str,
-)
-from .linear import Fp8Linear
-from .moe import Fp8MoELinear
+from .kinds import LayerKind, is_linear, kind_of, layer_features, path_str
 
 T = TypeVar("T")
 
@@ -41,12 +24,9 @@ def decide(path: str, layer: Any, config: Fp8Config) -> Decision:
     """The one rule of the transform, for the linear layer `layer` at dotted `path`:
     [`fp8ax.fp8_linear_layers`][] and [`fp8ax.conversion_report`][] both ask it."""
     selected = config.matches(path, layer)
-    if is_fp8_layer(layer):
-        if isinstance(layer, Fp8Linear | Fp8MoELinear) or isinstance(layer.dot_general, Fp8DotGeneral):
-            reason = "already FP8 (fp8ax); its state is kept"
-        else:
-            reason = f"has its own dot_general ({type(layer.dot_general).__name__}); left as it is"
-        return Decision(path, "keep", reason, selected)
+    kind = kind_of(layer)
+    if kind is not None and kind.is_converted(layer):
+        return Decision(path, "keep", kind.kept_reason(layer), selected)
     if not selected:
         return Decision(path, "skip", "not selected by `targets`", False)
     fin, fout = layer_features(layer)
@@ -58,23 +38,14 @@ def decide(path: str, layer: Any, config: Fp8Config) -> Decision:
     )
 
 
-def _converted(node, config: Fp8Config, path: str):
-    if isinstance(node, eqx.nn.Linear):
-        layer = Fp8Linear.from_linear(node, config)
-        return eqx.tree_at(
-            lambda m: m.dot_general,
-            layer,
-            layer.dot_general._labelled(path),
-            is_leaf=lambda x: isinstance(x, Fp8DotGeneral),  # (its traced leaves are fresh views)
-        )
-    if _haliax.is_moe_linear(node):
-        names = tuple(getattr(node, a).name for a in ("Experts", "In", "Out") if _haliax.is_axis(getattr(node, a)))
-        return Fp8MoELinear.from_moe_linear(node, lambda bs, g: config.make_ragged_dot(bs, g, names))
-    own = axis_names(node.In) | axis_names(node.Out)
-    rhs_axes = tuple(ax.name for ax in node.weight.axes if ax.name in own)
-    dot_general = config.make_dot_general(haliax_batch_shape(node), rhs_axes)
-    dot_general = dot_general._with_named_state(haliax_batch_axes(node))._labelled(path)
-    return dataclasses.replace(node, dot_general=dot_general)
+def _converted(kind: LayerKind, node, config: Fp8Config, path: str):
+    """`node` converted by its kind, its op's state labelled with the layer's path (see
+    `fp8ax.UnusedLayerWarning`)."""
+    layer = kind.convert(node, config)
+    op = kind.op(layer)
+    if op is None:
+        raise TypeError(f"{type(kind).__name__}.convert gave a layer without an op (`op` returned None).")
+    return kind.with_op(layer, op._labelled(path))
 
 
 def fp8_linear_layers(module: T, config: Fp8Config | None = None) -> T:
@@ -121,13 +92,12 @@ def fp8_linear_layers(module: T, config: Fp8Config | None = None) -> T:
     decisions: list[Decision] = []
 
     def convert(path, node):
-        if not is_linear(node):
+        kind = kind_of(node)
+        if kind is None:
             return node
-        if _haliax.is_linear(node):
-            _haliax.require_haliax_matmul("fp8ax.fp8_linear_layers")
         d = decide(path_str(path), node, config)
         decisions.append(d)
-        return _converted(node, config, d.path) if d.action == "convert" else node
+        return _converted(kind, node, config, d.path) if d.action == "convert" else node
 
     out = jtu.tree_map_with_path(convert, module, is_leaf=is_linear)
     problem = config_problem(module, config, decisions)
@@ -179,12 +149,6 @@ def _unmatched_targets_message(unmatched: list[str], paths: list[str]) -> str:
     )
 
 
-def _has_fp8_dot_general(layer: Any) -> bool:
-    if not _haliax.is_linear(layer):
-        return False
-    return isinstance(layer.dot_general, Fp8DotGeneral | _haliax.haxq().Fp8DotGeneralOp)
-
-
 def strip_fp8(module: T) -> T:
     """Undoes [`fp8ax.fp8_linear_layers`][]: plain linear layers with the same weights.
 
@@ -205,15 +169,15 @@ def strip_fp8(module: T) -> T:
     with `eqx.tree_deserialise_leaves`.
     """
 
-    def strip(node):
-        if isinstance(node, Fp8Linear):
-            return node.to_linear()
-        if isinstance(node, Fp8MoELinear):
-            return node.to_moe_linear()
-        if _has_fp8_dot_general(node):
-            return dataclasses.replace(node, dot_general=_haliax.haxq().DotGeneralOp.default())
-        return node
+    def converted(x):
+        kind = kind_of(x)
+        return kind is not None and kind.is_converted(x)
 
-    return jtu.tree_map(
-        strip, module, is_leaf=lambda x: isinstance(x, Fp8Linear | Fp8MoELinear) or _has_fp8_dot_general(x)
-    )
+    def strip(node):
+        if not converted(node):
+            return node
+        kind = kind_of(node)
+        assert kind is not None
+        return kind.strip(node)
+
+    return jtu.tree_map(strip, module, is_leaf=converted)

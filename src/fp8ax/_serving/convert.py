@@ -38,7 +38,9 @@ from .._model import (
     Fp8Linear,
     Fp8MoELinear,
     Fp8RaggedDot,
+    fp8_op,
     is_linear,
+    kind_of,
     path_str,
 )
 from .._quantized import QuantizedArray
@@ -293,6 +295,14 @@ def _convert(model, check: bool):
                 f"Layer `{layer}` uses Haliax's own {type(node.dot_general).__name__}, which `fp8ax.to_serving` "
                 "cannot convert. Convert the model with `fp8ax.fp8_linear_layers` instead of "
                 "`haliax.quantization.quantize_linear_layers`."
+            )
+        kind = kind_of(node)
+        if kind is not None and fp8_op(node) is not None:
+            raise ValueError(
+                f"Layer `{layer}` is a converted {kind.report_name(node)} (layer kind {kind!r}), which "
+                "`fp8ax.to_serving` cannot freeze: it serves `equinox.nn.Linear`, `haliax.nn.Linear` and "
+                "`haliax.nn.MoELinear` layers. Keep that layer out of the conversion (`Fp8Config.targets`) to "
+                "serve the model, or serve it from the training model."
             )
         return node  # a plain layer (exempt from FP8): served as it is
 
