@@ -34,10 +34,13 @@ class TransposedLinearKind(fp8ax.LayerKind):
     name = "TransposedLinear"
 
     def is_plain(self, x):
-        return isinstance(x, TransposedLinear) and not isinstance(x.dot_general, fp8ax.Fp8DotGeneral)
+        return isinstance(x, TransposedLinear) and x.dot_general is lax.dot_general
 
     def is_converted(self, x):
         return isinstance(x, TransposedLinear) and isinstance(x.dot_general, fp8ax.Fp8DotGeneral)
+
+    def is_serving(self, x):
+        return isinstance(x, TransposedLinear) and isinstance(x.dot_general, fp8ax.ServingDotGeneral)
 
     def features(self, layer):
         return layer.weight.shape[-2], layer.weight.shape[-1]
@@ -54,11 +57,17 @@ class TransposedLinearKind(fp8ax.LayerKind):
     def strip(self, layer):
         return _with_dot_general(layer, lax.dot_general)
 
+    def to_serving(self, layer, freeze):
+        # The call contracts the input with the weight's axis 0; the served layer holds
+        # the stored weight and calls the serving op with it, as it called its own op.
+        stored, op = freeze.dense(layer.dot_general, layer.weight, (0,))
+        return _with_dot_general(eqx.tree_at(lambda m: m.weight, layer, stored), op)
+
 
 def _with_dot_general(layer, dot_general):
     # (The layer has an `__init__` of its own, so `dataclasses.replace` would not do; the
     # op is one node to `tree_at`, not its leaves.)
-    is_op = lambda x: isinstance(x, fp8ax.Fp8DotGeneral)  # noqa: E731
+    is_op = lambda x: isinstance(x, fp8ax.Fp8DotGeneral | fp8ax.ServingDotGeneral)  # noqa: E731
     return eqx.tree_at(lambda m: m.dot_general, layer, dot_general, is_leaf=is_op)
 
 

@@ -63,6 +63,7 @@ UNITS = [
         "_inspect",
         "_serving",
     ],
+    ["_kinds"],
 ]
 # Recipe modules that are not a recipe: the interface, the stateless base and `quantize`.
 RECIPE_SUPPORT = {"__init__", "base", "stateless", "applied"}

@@ -40,7 +40,6 @@ class KindCase:
     report_name: str
     features: tuple[int, int]
     stacked: tuple[int, ...] = ()
-    served: bool = True
     observed: bool = True  # by `scaling_stats` (grouped GEMMs are not: their operands are ragged)
 
 
@@ -119,7 +118,6 @@ CASES = {
         lambda m, x: m(x),
         "TransposedLinear",
         (In.size, Out.size),
-        served=False,
     ),
 }
 NAMES = list(CASES)
@@ -230,17 +228,50 @@ def test_checkpoint_stats_and_unused_warning(name, getkey):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_serving(name, getkey):
-    """The built-in kinds serve bit for bit; a kind serving does not know is refused with
-    a message naming the layer and its kind."""
+    """`to_serving` through the kind: the weight stored in one byte per value, the output
+    the training model's bit for bit; the template has its structure; converting again is
+    refused."""
     case = CASES[name]
     _, fp8 = _converted(case, getkey)
     x = case.x(getkey())
     trained = eqx.filter_jit(_step)(fp8, lambda m: jnp.sum(case.call(m, x)))
-    if not case.served:
-        with pytest.raises(ValueError, match=rf"Layer `{case.path}` is a converted {case.report_name}.*cannot freeze"):
-            fp8ax.to_serving(trained)
-        return
     serving = fp8ax.to_serving(trained)
     want = eqx.filter_jit(case.call)(trained, x)
     got = eqx.filter_jit(case.call)(serving, x)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    weight = _at(serving, case.path).weight
+    assert np.dtype((weight.array if isinstance(weight, hax.NamedArray) else weight).dtype).itemsize == 1
+    shapes = lambda t: [(a.shape, a.dtype) for a in jax.tree.leaves(t)]  # noqa: E731
+    assert shapes(fp8ax.serving_template(fp8)) == shapes(serving)
+    with pytest.raises(ValueError, match=rf"Layer `{case.path}` is already a serving layer"):
+        fp8ax.to_serving(serving)
+
+
+class _Unserved(TransposedLinear):
+    """A subclass whose kind does not say how to serve it."""
+
+
+class _UnservedKind(type(KIND)):
+    name = "Unserved"
+
+    def is_plain(self, x):
+        return isinstance(x, _Unserved) and super().is_plain(x)
+
+    def is_converted(self, x):
+        return isinstance(x, _Unserved) and super().is_converted(x)
+
+    def is_serving(self, x):
+        return False
+
+    to_serving = fp8ax.LayerKind.to_serving
+
+
+def test_a_kind_that_does_not_serve_is_refused_by_name(getkey):
+    fp8ax.register_layer_kind(_UnservedKind())
+    layer = object.__new__(_Unserved)
+    for f, v in vars(TransposedLinear(In.size, Out.size, key=getkey())).items():
+        object.__setattr__(layer, f, v)
+    model = fp8ax.fp8_linear_layers({"head": layer})
+    assert fp8ax.conversion_report(model).layers[0].kind == "Unserved"
+    with pytest.raises(ValueError, match=r"Layer `head` is a converted Unserved .*does not say how to serve it"):
+        fp8ax.to_serving(model)

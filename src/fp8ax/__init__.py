@@ -79,6 +79,7 @@ from ._inspect import (
 # serving
 from ._serving import (
     ServingDotGeneral as ServingDotGeneral,
+    ServingFreezer as ServingFreezer,
     ServingHaliaxLinear as ServingHaliaxLinear,
     ServingLinear as ServingLinear,
     ServingMoELinear as ServingMoELinear,
@@ -86,5 +87,9 @@ from ._serving import (
     serving_template as serving_template,
     to_serving as to_serving,
 )
+
+# isort: split
+# layer kinds: the built-in ones register themselves
+from . import _kinds as _kinds  # noqa: F401
 
 __version__ = _version("fp8ax")

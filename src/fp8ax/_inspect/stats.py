@@ -56,8 +56,13 @@ def _layers(model) -> list[tuple[str, Fp8DotGeneral, tuple[int, ...]]]:
 
 
 def _is_holder(x) -> bool:
-    """A bare `Fp8DotGeneral`, or a converted layer of a registered kind holding one."""
-    return isinstance(x, Fp8DotGeneral) or isinstance(fp8_op(x), Fp8DotGeneral)
+    """A bare `Fp8DotGeneral`, or a converted layer of a registered kind holding a dense
+    one (named by the layer's path). A grouped op (`Fp8RaggedDot`, not observed) is named
+    by its own path, `<layer>.ragged` for an `Fp8MoELinear`."""
+    if isinstance(x, Fp8DotGeneral):
+        return True
+    op = fp8_op(x)
+    return isinstance(op, Fp8DotGeneral) and not isinstance(op, Fp8RaggedDot)
 
 
 def _state_shape(dg: Fp8DotGeneral) -> tuple[int, ...]:

@@ -5,15 +5,16 @@
   one-time warning about GPU compile time, and `compiler_options`, what avoids it;
 - `config`: `Fp8Config`, which builds the ops for each layer;
 - `linear`: `Fp8Linear` (Equinox); `moe`: `Fp8MoELinear` (Haliax mixture of experts);
-- `layer_kind`: `LayerKind`, what a kind of layer tells fp8ax, and the one list of kinds;
-  `linear`, `haliax_linear` and `moe` each define a built-in kind, which `kinds`
-  registers (and answers the other modules' questions about a layer by its kind);
+- `layer_kind`: `LayerKind`, what a kind of layer tells fp8ax, and the one list of kinds
+  (the built-in kinds are in `fp8ax._kinds`, above serving); `kinds`: the other modules'
+  questions about a layer, answered by its kind; `axes`: the named-axis helpers;
 - `transform`: `fp8_linear_layers`, `strip_fp8`, and the decision per layer.
 
 This is the one unit besides the `_haliax` door that imports Haliax, at run time.
 """
 
 from .advice import advise_gpu_compile as advise_gpu_compile, compiler_options as compiler_options
+from .axes import axis_names as axis_names, haliax_batch_axes as haliax_batch_axes
 from .config import Fp8Config as Fp8Config
 from .dot_general import (
     Fp8DotGeneral as Fp8DotGeneral,
@@ -33,6 +34,7 @@ from .kinds import (
     layer_kinds as layer_kinds,
     path_str as path_str,
     register_layer_kind as register_layer_kind,
+    serving_kind_of as serving_kind_of,
 )
 from .linear import Fp8Linear as Fp8Linear, linear_call as linear_call
 from .moe import Fp8MoELinear as Fp8MoELinear, moe_call as moe_call

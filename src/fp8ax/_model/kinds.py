@@ -1,5 +1,5 @@
-# The kinds of layer fp8ax knows, in one place: the built-in `LayerKind`s registered, and
-# what the other modules ask of a layer, answered by its kind.
+# What the other modules ask of a layer, answered by its kind (the registered `LayerKind`s;
+# the built-in ones are registered by `fp8ax._kinds` when fp8ax is imported).
 
 from __future__ import annotations
 
@@ -7,11 +7,9 @@ from typing import Any
 
 import jax.tree_util as jtu
 
+from .axes import axis_names, axis_size, haliax_batch_axes, haliax_batch_shape
 from .dot_general import Fp8DotGeneral
-from .haliax_linear import HaliaxLinearKind, axis_names, axis_size, haliax_batch_axes, haliax_batch_shape
-from .layer_kind import LayerKind, kind_of, layer_kinds, register_layer_kind
-from .linear import EquinoxLinearKind
-from .moe import HaliaxMoEKind
+from .layer_kind import LayerKind, kind_of, layer_kinds, register_layer_kind, serving_kind_of
 
 __all__ = [
     "LayerKind",
@@ -27,11 +25,8 @@ __all__ = [
     "layer_kinds",
     "path_str",
     "register_layer_kind",
+    "serving_kind_of",
 ]
-
-# The built-in kinds (a kind registered later is asked first).
-for _kind in (EquinoxLinearKind(), HaliaxLinearKind(), HaliaxMoEKind()):
-    register_layer_kind(_kind)
 
 
 def is_linear(x: Any) -> bool:

@@ -21,13 +21,13 @@ class LayerKind:
     it as they treat the built-in kinds.
 
     A subclass implements `is_plain`, `is_converted`, `features`, `convert`, `op`,
-    `with_op` and `strip`; `name`, `stacked_shape` and `kept_reason` have defaults.
+    `with_op` and `strip`; for [`fp8ax.to_serving`][], `is_serving` and `to_serving`;
+    `name`, `stacked_shape`, `kept_reason` and `report_name` have defaults.
     fp8ax labels the op's state with the layer's path itself (for
     [`fp8ax.UnusedLayerWarning`][]), through `op` and `with_op`.
 
-    A whole kind, registered and trained, is on the "Choosing layers" page of the docs
-    ("Your own kind of layer"). [`fp8ax.to_serving`][] serves the built-in kinds only and
-    refuses a converted layer of another kind, naming it.
+    A whole kind, registered, trained and served, is on the "Choosing layers" page of the
+    docs ("Your own kind of layer").
     """
 
     # The kind's name in reports ([`fp8ax.conversion_report`][]'s `kind` column).
@@ -74,6 +74,29 @@ class LayerKind:
         inverse of `convert`, for [`fp8ax.strip_fp8`][]). A layer made low precision by
         other means may be returned as it is."""
         raise NotImplementedError(f"{type(self).__name__} must implement `strip`.")
+
+    def is_serving(self, x: Any) -> bool:
+        """Whether `x` is the serving form of a layer of this kind (what `to_serving` made
+        of one). The default: no serving form."""
+        return False
+
+    def to_serving(self, layer: Any, freeze: Any) -> Any:
+        """The serving form of a converted `layer` (see [`fp8ax.to_serving`][]): its weight
+        quantized once and stored through `freeze`, a [`fp8ax.ServingFreezer`][], whose
+        `dense` gives the stored values and the [`fp8ax.ServingDotGeneral`][] that serves
+        them (a drop-in for the layer's op, called with the stored values where the layer
+        passed its weight).
+
+        The default serves a layer made low precision by other means (no `op`) as it is,
+        and refuses an fp8ax-converted one, naming it: a kind serves its layers only if it
+        says how."""
+        if self.op(layer) is None:
+            return layer
+        raise ValueError(
+            f"Layer `{freeze.path}` is a converted {self.report_name(layer)} (layer kind {self!r}), which does not "
+            "say how to serve it (`LayerKind.to_serving`), so `fp8ax.to_serving` cannot freeze it. Keep that layer "
+            "out of the conversion (`Fp8Config.targets`) to serve the model, or serve it from the training model."
+        )
 
     def kept_reason(self, layer: Any) -> str:
         """Why a converted `layer` is kept, for the report."""
@@ -124,6 +147,14 @@ def register_layer_kind(kind: LayerKind) -> LayerKind:
 def layer_kinds() -> tuple[LayerKind, ...]:
     """The registered kinds, in the order they are asked."""
     return tuple(_KINDS)
+
+
+def serving_kind_of(x: Any) -> LayerKind | None:
+    """The kind whose serving form `x` is, or None."""
+    for kind in _KINDS:
+        if kind.is_serving(x):
+            return kind
+    return None
 
 
 def kind_of(x: Any) -> LayerKind | None:

@@ -15,7 +15,6 @@ if TYPE_CHECKING:
 
 from .config import Fp8Config
 from .dot_general import Fp8DotGeneral
-from .layer_kind import LayerKind
 
 
 class Fp8Linear(eqx.Module):
@@ -102,37 +101,3 @@ def linear_call(layer, x, weight) -> Array:
     if layer.out_features == "scalar":
         y = y[..., 0]
     return y
-
-
-class EquinoxLinearKind(LayerKind):
-    """`equinox.nn.Linear` (also inside `equinox.nn.MLP`, and ensembles built with
-    `eqx.filter_vmap`: one state per member), converted to an [`fp8ax.Fp8Linear`][]."""
-
-    name = "eqx.nn.Linear"
-
-    def is_plain(self, x):
-        return isinstance(x, eqx.nn.Linear)
-
-    def is_converted(self, x):
-        return isinstance(x, Fp8Linear)
-
-    def features(self, layer):
-        fin = 1 if layer.in_features == "scalar" else layer.in_features
-        fout = 1 if layer.out_features == "scalar" else layer.out_features
-        return fin, fout
-
-    def convert(self, layer, config):
-        return Fp8Linear.from_linear(layer, config)
-
-    def op(self, layer):
-        return layer.dot_general
-
-    def with_op(self, layer, op):
-        # (`is_leaf`: a traced op's leaves are fresh views, which `tree_at` must not look into.)
-        return eqx.tree_at(lambda m: m.dot_general, layer, op, is_leaf=lambda x: isinstance(x, Fp8DotGeneral))
-
-    def strip(self, layer):
-        return layer.to_linear()
-
-    def report_name(self, layer):
-        return "fp8ax.Fp8Linear" if isinstance(layer, Fp8Linear) else self.name

@@ -14,8 +14,6 @@ if TYPE_CHECKING:
     import haliax.nn as hnn
 
 from .. import _haliax
-from .haliax_linear import axis_size, haliax_batch_axes
-from .layer_kind import LayerKind
 from .ragged_dot import Fp8RaggedDot
 
 
@@ -91,39 +89,3 @@ def _one_axis(layer: hnn.MoELinear, name: str) -> hax.Axis:
     if not _haliax.is_axis(axis):
         raise TypeError(f"fp8ax converts `haliax.nn.MoELinear` layers whose `{name}` is one axis, got {axis!r}.")
     return axis
-
-
-class HaliaxMoEKind(LayerKind):
-    """`haliax.nn.MoELinear`, converted to an [`fp8ax.Fp8MoELinear`][] whose grouped GEMM
-    is an [`fp8ax.Fp8RaggedDot`][] (one weight state per expert with
-    `Fp8Config.per_expert_weights`)."""
-
-    name = "hax.nn.MoELinear"
-
-    def is_plain(self, x):
-        return _haliax.is_moe_linear(x)
-
-    def is_converted(self, x):
-        return isinstance(x, Fp8MoELinear)
-
-    def features(self, layer):
-        return axis_size(layer.In), axis_size(layer.Out)
-
-    def stacked_shape(self, layer):
-        return tuple(size for _, size in haliax_batch_axes(layer, ("Experts", "In", "Out")))
-
-    def convert(self, layer, config):
-        names = tuple(getattr(layer, a).name for a in ("Experts", "In", "Out") if _haliax.is_axis(getattr(layer, a)))
-        return Fp8MoELinear.from_moe_linear(layer, lambda bs, g: config.make_ragged_dot(bs, g, names))
-
-    def op(self, layer):
-        return layer.ragged
-
-    def with_op(self, layer, op):
-        return eqx.tree_at(lambda m: m.ragged, layer, op, is_leaf=lambda x: isinstance(x, Fp8RaggedDot))
-
-    def strip(self, layer):
-        return layer.to_moe_linear()
-
-    def report_name(self, layer):
-        return "fp8ax.Fp8MoELinear" if isinstance(layer, Fp8MoELinear) else self.name

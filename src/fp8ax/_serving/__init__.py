@@ -5,10 +5,11 @@
   forward's own GEMM on the stored weight;
 - `layers`: the serving layers (`ServingLinear`, `ServingHaliaxLinear`,
   `ServingMoELinear`);
-- `convert`: `to_serving` and `serving_template`.
+- `convert`: `to_serving`, `serving_template`, and `ServingFreezer`, what a layer kind's
+  `to_serving` freezes its weight with.
 """
 
-from .convert import serving_template as serving_template, to_serving as to_serving
+from .convert import ServingFreezer as ServingFreezer, serving_template as serving_template, to_serving as to_serving
 from .layers import (
     ServingHaliaxLinear as ServingHaliaxLinear,
     ServingLinear as ServingLinear,

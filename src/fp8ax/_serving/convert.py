@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, NamedTuple, TypeVar, cast
+from typing import NamedTuple, TypeVar
 
 import equinox as eqx
 import jax
@@ -22,10 +22,6 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array
 
-if TYPE_CHECKING:
-    import haliax.nn as hnn
-
-from .. import _haliax
 from .._gemm import (
     Call,
     RaggedCall,
@@ -35,27 +31,21 @@ from .._gemm import (
 )
 from .._model import (
     Fp8DotGeneral,
-    Fp8Linear,
-    Fp8MoELinear,
     Fp8RaggedDot,
     fp8_op,
     is_linear,
     kind_of,
     path_str,
+    serving_kind_of,
 )
 from .._quantized import QuantizedArray
 from .._recipes import AbstractStatefulRecipe, Operand
 from .._state import CORRUPT_STATE
 from .codec import encode, packed_length, storable
-from .layers import ServingHaliaxLinear, ServingLinear, ServingMoELinear, is_serving_layer
 from .ops import ServingDotGeneral, ServingRaggedDot
 
 T = TypeVar("T")
 _E8M0 = np.dtype(jnp.float8_e8m0fnu)
-
-
-def _axis_names(spec) -> set[str]:
-    return {spec.name} if _haliax.is_axis(spec) else {a.name for a in spec}
 
 
 def _vmapped(f, n: int):
@@ -177,94 +167,83 @@ def _convert_gemm(
     return eqx.filter_jit(encode)(f.q.values), serving
 
 
-def _convert_eqx(layer: str, lin: Fp8Linear, check: bool) -> ServingLinear:
-    n_batch = lin.weight.ndim - 2
-    weight, dg = _convert_gemm(
-        layer,
-        lin.dot_general,
-        lin.weight,
-        (1,),
-        n_batch,
-        check,
-        f"the leading weight dims {lin.weight.shape[:n_batch]}",
-    )
-    return ServingLinear(weight, lin.bias, dg, lin.in_features, lin.out_features, lin.use_bias)
+class ServingFreezer:
+    """What [`fp8ax.to_serving`][] hands a layer kind's `LayerKind.to_serving`: it freezes
+    the weight of one FP8 op, quantized once with the op's recipe and state as the
+    training forward quantized it, and gives the stored values and the op that serves
+    them. `path` is the layer's dotted path (for messages)."""
 
+    def __init__(self, path: str, check: bool = True):
+        self.path = path
+        self._check = check  # read the state (`to_serving`), or only shapes (`serving_template`)
 
-def _convert_haliax(layer: str, lin: hnn.Linear, check: bool) -> ServingHaliaxLinear:
-    _haliax.require_haliax_matmul("fp8ax.to_serving")
-    own = _axis_names(lin.In) | _axis_names(lin.Out)
-    names = [ax.name for ax in lin.weight.axes]
-    n_batch = sum(n not in own for n in names)
-    if any(n not in own for n in names[n_batch:]):
-        raise ValueError(
-            f"Layer `{layer}`: the stacked axes of its weight {lin.weight.axes} must come first (as "
-            "`haliax.nn.Stacked` puts them) for `fp8ax.to_serving`."
+    def dense(
+        self, op: Fp8DotGeneral, weight: Array, contracting: tuple[int, ...], n_batch: int = 0, stacked: str = ""
+    ) -> tuple[Array, ServingDotGeneral]:
+        """`(stored, serving_op)` for the weight of the FP8 `dot_general` `op`.
+
+        **Arguments:**
+
+        - `op`: the layer's [`fp8ax.Fp8DotGeneral`][], with its state.
+        - `weight`: the array the layer passes to `op` as its `rhs` (its second operand),
+          with `n_batch` leading stacked dimensions (one state each).
+        - `contracting`: the axes of one stacked entry of `weight` the layer's call contracts.
+        - `n_batch`: the number of leading stacked dimensions of `weight`.
+        - `stacked`: those dimensions in words, for messages.
+
+        **Returns:**
+
+        `stored`, the low-precision values as they are saved (FP8 as uint8 bits, FP4 two
+        per byte), and `serving_op`, an [`fp8ax.ServingDotGeneral`][] to call in place of
+        `op` with `stored` in place of `weight`: the output is the training forward's, bit
+        for bit.
+        """
+        layer, check = self.path, self._check
+        stacked = stacked or f"the leading weight dims {tuple(weight.shape[:n_batch])}"
+        return _convert_gemm(layer, op, weight, tuple(contracting), n_batch, check, stacked)
+
+    def grouped(
+        self, op: Fp8RaggedDot, weight: Array, n_batch: int = 0, stacked: str = ""
+    ) -> tuple[Array, ServingRaggedDot]:
+        """`(stored, serving_op)` for the expert weights `weight` (`(*stacked, experts,
+        in, out)`) of the grouped GEMM `op`, as `dense` for a dense one."""
+        layer, check, rg = self.path, self._check, op
+        weight_dtype = np.dtype(weight.dtype)
+
+        def quantize(w, state):
+            dims = (((1,), (1,)), ((), ()))
+            call = Call(
+                rg.settings, dims, weight_dtype, np.dtype(w.dtype), weight_dtype, None, (), frozenset(), frozenset()
+            )
+            return quantize_weights(RaggedCall(call, rg.per_expert_weights, rg.per_group_tokens), w, (1,), state, None)[
+                0
+            ]
+
+        f = _freeze(layer, rg, weight, quantize, n_batch, check, stacked or "its stacked axes")
+        if f.q.outer_scale is not None:
+            raise ValueError(
+                f"Layer `{layer}`: `fp8ax.to_serving` does not serve grouped GEMMs with two-level scales (NVFP4) "
+                "yet; exclude the layer from the FP8 conversion or train it with another recipe."
+            )
+        ragged = ServingRaggedDot(
+            weight_scale=f.scale,
+            input_scale=f.input_scale,
+            settings=rg.settings,
+            per_expert_weights=rg.per_expert_weights,
+            weight_dtype=f.weight_dtype,
+            value_dtype=np.dtype(f.q.values.dtype),
+            tile=f.q.tile,
+            int_exponent=f.q.int_exponent,
+            weight_scale_format=f.scale_format,
+            layer=layer,
+            packed_length=packed_length(f.q.values),
+            per_group_tokens=rg.per_group_tokens,
         )
-    # The training call multiplies the weight by the reparametrisation's scale first.
-    w = (lin.weight * lin.reparam.active_scale).array
-    in_names = _axis_names(lin.In)
-    contracting = tuple(i for i, n in enumerate(names[n_batch:]) if n in in_names)
-    stacked = f"the stacked axes {lin.weight.axes[:n_batch]}"
-    op = cast(Fp8DotGeneral, lin.dot_general)  # `_convert` converts a layer with an `Fp8DotGeneral` only
-    weight, dg = _convert_gemm(layer, op, w, contracting, n_batch, check, stacked)
-    axes = lin.weight.axes
-    if dg.packed_length is not None:  # FP4: two values per byte along the last axis
-        axes = axes[:-1] + (axes[-1].resize(weight.shape[-1]),)
-    return ServingHaliaxLinear(_haliax.hax().NamedArray(weight, axes), lin.bias, dg, lin.In, lin.Out)
-
-
-def _convert_moe(layer: str, lin: Fp8MoELinear, check: bool) -> ServingMoELinear:
-    rg = lin.ragged
-    own = [lin.Experts, lin.In, lin.Out]
-    batch = [ax for ax in lin.weight.axes if ax.name not in {a.name for a in own}]
-    if list(lin.weight.axes[: len(batch)]) != batch:
-        raise ValueError(
-            f"Layer `{layer}`: the stacked axes of its weight {lin.weight.axes} must come first (as "
-            "`haliax.nn.Stacked` puts them) for `fp8ax.to_serving`."
-        )
-    w = lin.weight.rearrange((*batch, *own)).array
-    weight_dtype = np.dtype(w.dtype)
-
-    def quantize(w, state):
-        dims = (((1,), (1,)), ((), ()))
-        call = Call(
-            rg.settings, dims, weight_dtype, np.dtype(w.dtype), weight_dtype, None, (), frozenset(), frozenset()
-        )
-        return quantize_weights(RaggedCall(call, rg.per_expert_weights, rg.per_group_tokens), w, (1,), state, None)[0]
-
-    stacked = f"the stacked axes {tuple(batch)} and experts {lin.Experts}"
-    f = _freeze(layer, rg, w, quantize, len(batch), check, stacked)
-    if f.q.outer_scale is not None:
-        raise ValueError(
-            f"Layer `{layer}`: `fp8ax.to_serving` does not serve grouped GEMMs with two-level scales (NVFP4) yet; "
-            "exclude the layer from the FP8 conversion or train it with another recipe."
-        )
-    ragged = ServingRaggedDot(
-        weight_scale=f.scale,
-        input_scale=f.input_scale,
-        settings=rg.settings,
-        per_expert_weights=rg.per_expert_weights,
-        weight_dtype=f.weight_dtype,
-        value_dtype=np.dtype(f.q.values.dtype),
-        tile=f.q.tile,
-        int_exponent=f.q.int_exponent,
-        weight_scale_format=f.scale_format,
-        layer=layer,
-        packed_length=packed_length(f.q.values),
-        per_group_tokens=rg.per_group_tokens,
-    )
-    values = eqx.filter_jit(encode)(f.q.values)
-    axes = tuple(batch) + tuple(own)
-    if ragged.packed_length is not None:
-        axes = axes[:-1] + (axes[-1].resize(values.shape[-1]),)
-    return ServingMoELinear(
-        _haliax.hax().NamedArray(values, axes), lin.bias, ragged, lin.Experts, lin.In, lin.Out, lin.use_gmm
-    )
+        return eqx.filter_jit(encode)(f.q.values), ragged
 
 
 def _is_node(x) -> bool:
-    return is_linear(x) or is_serving_layer(x)
+    return is_linear(x) or serving_kind_of(x) is not None
 
 
 def _convert(model, check: bool):
@@ -274,37 +253,17 @@ def _convert(model, check: bool):
         if not _is_node(node):
             return node
         layer = path_str(path) or "(the model itself)"
-        if is_serving_layer(node):
+        if serving_kind_of(node) is not None:
             raise ValueError(
                 f"Layer `{layer}` is already a serving layer: `fp8ax.to_serving` was called on this model "
                 "before. Convert the training model once; a serving model cannot be converted again."
             )
-        if isinstance(node, Fp8Linear):
-            converted.append(layer)
-            return _convert_eqx(layer, node, check)
-        if isinstance(node, Fp8MoELinear):
-            converted.append(layer)
-            return _convert_moe(layer, node, check)
-        if _haliax.is_linear(node) and isinstance(node.dot_general, Fp8DotGeneral):
-            converted.append(layer)
-            return _convert_haliax(layer, node, check)
-        if _haliax.is_linear(node) and isinstance(
-            node.dot_general, _haliax.haxq().Fp8DotGeneralOp | _haliax.haxq().Int8DotGeneralOp
-        ):
-            raise ValueError(
-                f"Layer `{layer}` uses Haliax's own {type(node.dot_general).__name__}, which `fp8ax.to_serving` "
-                "cannot convert. Convert the model with `fp8ax.fp8_linear_layers` instead of "
-                "`haliax.quantization.quantize_linear_layers`."
-            )
         kind = kind_of(node)
-        if kind is not None and fp8_op(node) is not None:
-            raise ValueError(
-                f"Layer `{layer}` is a converted {kind.report_name(node)} (layer kind {kind!r}), which "
-                "`fp8ax.to_serving` cannot freeze: it serves `equinox.nn.Linear`, `haliax.nn.Linear` and "
-                "`haliax.nn.MoELinear` layers. Keep that layer out of the conversion (`Fp8Config.targets`) to "
-                "serve the model, or serve it from the training model."
-            )
-        return node  # a plain layer (exempt from FP8): served as it is
+        if kind is None or not kind.is_converted(node):
+            return node  # a plain layer (exempt from FP8): served as it is
+        if fp8_op(node) is not None:
+            converted.append(layer)
+        return kind.to_serving(node, ServingFreezer(layer, check))
 
     out = jtu.tree_map_with_path(convert, model, is_leaf=_is_node)
     if not converted:
@@ -323,8 +282,10 @@ def to_serving(model: T) -> T:
 
     - An [`fp8ax.Fp8Linear`][] becomes an [`fp8ax.ServingLinear`][]; a
       `haliax.nn.Linear` with an [`fp8ax.Fp8DotGeneral`][] (also inside
-      `haliax.nn.Stacked`) becomes an [`fp8ax.ServingHaliaxLinear`][]. Plain layers (not
-      converted to FP8, e.g. by `Fp8Config(targets=...)`) are left as they are.
+      `haliax.nn.Stacked`) becomes an [`fp8ax.ServingHaliaxLinear`][]; an
+      [`fp8ax.Fp8MoELinear`][] an [`fp8ax.ServingMoELinear`][]; a layer of a kind you
+      registered, what its kind's `to_serving` makes of it ([`fp8ax.LayerKind`][]). Plain
+      layers (not converted to FP8, e.g. by `Fp8Config(targets=...)`) are left as they are.
     - Stored: FP8 values (as uint8 bits) for FP8 recipes, int8 values for
       [`fp8ax.Int8Scaling`][], elements and E8M0 scales for [`fp8ax.MXScaling`][], with
       the weight's scale in float32 (tensor and row scales).

@@ -16,6 +16,7 @@ from .. import _haliax
 from .._model import (
     linear_call,
     moe_call,
+    serving_kind_of,
 )
 from .codec import decode
 from .ops import ServingDotGeneral, ServingRaggedDot
@@ -127,5 +128,5 @@ class ServingMoELinear(eqx.Module):
 
 
 def is_serving_layer(x) -> bool:
-    """A serving layer: what `to_serving` makes of an FP8 layer."""
-    return isinstance(x, ServingLinear | ServingHaliaxLinear | ServingMoELinear)
+    """A serving layer: what `to_serving` makes of an FP8 layer (of any registered kind)."""
+    return serving_kind_of(x) is not None

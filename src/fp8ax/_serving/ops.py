@@ -39,6 +39,7 @@ from .._model import (
     with_out_sharding,
 )
 from .._quantized import QuantizedArray
+from .codec import decode
 
 _FP4 = np.dtype(jnp.float4_e2m1fn)
 _E8M0 = np.dtype(jnp.float8_e8m0fnu)
@@ -130,14 +131,16 @@ class ServingDotGeneral(eqx.Module):
     ) -> Array:
         """`jax.lax.dot_general(lhs, rhs, dimension_numbers, precision,
         preferred_element_type, out_sharding=out_sharding)` where one of `lhs`, `rhs` is
-        the stored weight's low-precision values (as the layer passes them) and the other
-        the activation. (Operands sharded over explicit mesh axes are not supported.)
+        the stored weight (its low-precision values, or the array `fp8ax.to_serving` stored,
+        FP8 and FP4 as uint8 bits) and the other the activation. (Operands sharded over
+        explicit mesh axes are not supported.)
 
         **Returns:**
 
         What the training layer's [`fp8ax.Fp8DotGeneral`][] returned for the same
         activation, bit for bit.
         """
+        lhs, rhs = self._decoded(lhs), self._decoded(rhs)
         lhs_lp = _is_low_precision(getattr(lhs, "dtype", np.float32))
         rhs_lp = _is_low_precision(getattr(rhs, "dtype", np.float32))
         if lhs_lp == rhs_lp:
@@ -187,6 +190,13 @@ class ServingDotGeneral(eqx.Module):
         s = _Serve(call, role, self.layer, self.tile, self.int_exponent, self.weight_scale_format)
         out = _serving_gemm(s, x, w, self.weight_scale, self.input_scale, self.weight_outer_scale)
         return with_out_sharding(out, out_sharding)
+
+    def _decoded(self, x):
+        # The stored weight as `fp8ax.to_serving` stored it (uint8 bits: what a layer of a
+        # kind defined outside fp8ax holds and passes), read as its values.
+        if np.dtype(getattr(x, "dtype", np.float32)) == np.uint8 and self.value_dtype != np.uint8:
+            return decode(x, self.value_dtype, self.packed_length)
+        return x
 
     def _check_scales(self):
         want = self.weight_scale_dtype
