@@ -8,6 +8,7 @@
 # first difference the layer is found, both kinds are told apart by the records of that
 # layer, and the error says what to call.
 
+import dataclasses
 import pathlib
 from typing import BinaryIO, TypeVar, cast
 
@@ -167,6 +168,19 @@ def _advice(like_kind: str, ckpt_kind: str | None) -> str:
     )
 
 
+def _own_records(layer) -> int:
+    """How many records a layer's own arrays write before its op's: its fields that are
+    arrays (a weight, a bias, a gain), of any layer kind; the op (FP8 or serving) and its
+    state come after them."""
+    n = 0
+    for f in dataclasses.fields(layer) if dataclasses.is_dataclass(layer) else ():
+        v = getattr(layer, f.name, None)
+        if _haliax.is_named(v):
+            v = v.array
+        n += v is not None and not isinstance(v, bool | int | float) and _writes_record(v)
+    return n
+
+
 def _weight_shape(layer) -> tuple[int, ...]:
     w = layer.weight
     return tuple(w.array.shape) if _haliax.is_named(w) else tuple(np.shape(w))
@@ -199,7 +213,7 @@ def check_checkpoint(path_or_file, like) -> None:
             raise ValueError(f"The checkpoint does not fit `like`: {where}. It was saved from another model.")
         for lp, lx, first, _ in candidates:
             like_kind = _kind_of_layer(lx)
-            n_own = 1 + (getattr(lx, "bias", None) is not None)
+            n_own = _own_records(lx)
             ckpt_kind = _kind_of_records(records, first, _weight_shape(lx), n_own, _state_ndims(lx))
             if ckpt_kind is not None and ckpt_kind != like_kind.replace("-stateless", ""):
                 break
