@@ -175,8 +175,7 @@ def _own_records(layer) -> int:
     n = 0
     for f in dataclasses.fields(layer) if dataclasses.is_dataclass(layer) else ():
         v = getattr(layer, f.name, None)
-        if _haliax.is_named(v):
-            v = v.array
+        v = getattr(v, "array", None) if _haliax.is_named(v) else v
         n += v is not None and not isinstance(v, bool | int | float) and _writes_record(v)
     return n
 
