@@ -49,7 +49,7 @@ UNITS = [
         "_boundaries",
         "_haliax",
     ],
-    ["_quantized", "_state"],
+    ["_quantized", "_state", "_scaling_state"],
     ["_recipes"],
     ["_gemm"],
     ["_model"],

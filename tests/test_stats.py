@@ -209,7 +209,7 @@ def test_plot_merges_layers_that_share_an_input(getkey, tmp_path):
     batches = [(jax.random.normal(getkey(), (8, 16)) * (1 + i),) for i in range(5)]
     model = fp8ax.calibrate(model, lambda m, x: jnp.sum(jax.vmap(m)(x) ** 2), batches)
     names = ("q_proj", "k_proj", "v_proj", "o_proj")
-    merge = fp8ax._inspect.stats.merge_identical
+    merge = fp8ax._inspect.plot.merge_identical
     lhs = merge([(n, np.asarray(getattr(model, n).dot_general.lhs.amax_history)) for n in names])
     assert [(label, first) for label, _, first in lhs] == [("q_proj, k_proj, v_proj", "q_proj"), ("o_proj", "o_proj")]
     rhs = merge([(n, np.asarray(getattr(model, n).dot_general.rhs.amax_history)) for n in names])

@@ -45,11 +45,8 @@ from ._model import (
     register_layer_kind as register_layer_kind,
 )
 from ._quantized import QuantizedArray as QuantizedArray
-from ._state import (
-    AbstractState as AbstractState,
-    OverwriteWithGradient as OverwriteWithGradient,
-    ScalingState as ScalingState,
-)
+from ._scaling_state import ScalingState as ScalingState
+from ._state import AbstractState as AbstractState, OverwriteWithGradient as OverwriteWithGradient
 from ._tensor_core import EmulatedAccumulation as EmulatedAccumulation
 
 # isort: split

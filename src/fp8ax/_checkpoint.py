@@ -19,8 +19,8 @@ import numpy as np
 
 from . import _haliax
 from ._model import Fp8DotGeneral, fp8_op, is_linear, path_str
+from ._scaling_state import ScalingState
 from ._serving import is_serving_layer
-from ._state import ScalingState
 
 T = TypeVar("T")
 

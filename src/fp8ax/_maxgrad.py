@@ -14,7 +14,7 @@
 # dtype it is the dtype's `add` rule. So inside a differentiated function the state is
 # held in `MAXF32`, a float32 whose cotangents accumulate with `max`. The conversion
 # f32 -> MAXF32 must happen *before* the value fans out to its uses: converting inside
-# each call would sum again across calls. `_state.ScalingState` therefore converts when
+# each call would sum again across calls. `_scaling_state.ScalingState` therefore converts when
 # it is unflattened from traced leaves, which is where `jax.grad`/`eqx.filter_grad`
 # rebuild the model, i.e. once, above every use. Its pytree leaves are always float32, so
 # `eqx.filter_grad`, optimizers, serialisation and users only ever see float32.

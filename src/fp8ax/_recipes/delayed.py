@@ -14,7 +14,7 @@ from .. import _formats
 from .._boundaries import vma
 from .._maxgrad import as_f32
 from .._quantized import QuantizedArray, ScaleLayout
-from .._state import (
+from .._scaling_state import (
     ScalingState,
     pack_state,
     read_state,
