@@ -2,6 +2,7 @@
 # come from `_model.transform.decide`, the rule the transform itself follows.
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, Literal
 
 import equinox as eqx
@@ -22,25 +23,55 @@ from .._model import (
 Action = Literal["convert", "keep", "skip", "unsupported"]
 
 _RECURRENT = "a recurrent cell: its matmuls are written inside the cell, not as linear layers"
-# Layer kinds fp8ax leaves alone, and why. `MultiheadAttention` is listed apart: its
+_CONV = "a convolution: fp8ax converts linear layers only"
+_CONV_T = "a transposed convolution: fp8ax converts linear layers only"
+
+
+Sizes = Callable[[Any], tuple[int | None, int | None]]
+
+
+def _sizes(a: str, b: str) -> Sizes:
+    """The report's sizes of a layer that is not converted: its fields `a` and `b` (ints,
+    or Haliax axis specs)."""
+
+    def sizes(layer) -> tuple[int | None, int | None]:
+        out = []
+        for spec in (getattr(layer, a, None), getattr(layer, b, None)):
+            if isinstance(spec, int):
+                out.append(spec)
+            elif isinstance(spec, tuple) or _haliax.is_axis(spec):
+                out.append(axis_size(spec))
+            else:
+                out.append(None)
+        return out[0], out[1]
+
+    return sizes
+
+
+# The layers fp8ax leaves alone, for the report: each with why and its sizes. They are not
+# linear-like (no `LayerKind` converts them). `MultiheadAttention` is listed apart: its
 # projections are linear layers (converted), the attention-score matmuls are not.
-_EQX_NOT_CONVERTED: tuple[tuple[type, str], ...] = (
-    (eqx.nn.Conv, "a convolution: fp8ax converts linear layers only"),
-    (eqx.nn.ConvTranspose, "a transposed convolution: fp8ax converts linear layers only"),
-    (eqx.nn.GRUCell, _RECURRENT),
-    (eqx.nn.LSTMCell, _RECURRENT),
-    (eqx.nn.Embedding, "a lookup (gather), not a matmul"),
+_EQX_NOT_CONVERTED: tuple[tuple[type, str, Sizes], ...] = (
+    (eqx.nn.Conv, _CONV, _sizes("in_channels", "out_channels")),
+    (eqx.nn.ConvTranspose, _CONV_T, _sizes("in_channels", "out_channels")),
+    (eqx.nn.GRUCell, _RECURRENT, _sizes("input_size", "hidden_size")),
+    (eqx.nn.LSTMCell, _RECURRENT, _sizes("input_size", "hidden_size")),
+    (eqx.nn.Embedding, "a lookup (gather), not a matmul", _sizes("num_embeddings", "embedding_size")),
 )
 
 
-def _not_converted() -> tuple[tuple[type, str], ...]:
+def _not_converted() -> tuple[tuple[type, str, Sizes], ...]:
     if not _haliax.loaded():
         return _EQX_NOT_CONVERTED
     hnn = _haliax.hnn()
     return _EQX_NOT_CONVERTED + (
-        (hnn.Conv, "a convolution: fp8ax converts linear layers only"),
-        (hnn.ConvTranspose, "a transposed convolution: fp8ax converts linear layers only"),
-        (hnn.Embedding, "a lookup, not a matmul (its `unembed`, as a tied output head, stays in high precision)"),
+        (hnn.Conv, _CONV, _sizes("In", "Out")),
+        (hnn.ConvTranspose, _CONV_T, _sizes("In", "Out")),
+        (
+            hnn.Embedding,
+            "a lookup, not a matmul (its `unembed`, as a tied output head, stays in high precision)",
+            _sizes("Vocab", "Embed"),
+        ),
     )
 
 
@@ -175,24 +206,6 @@ def _stacked(layer: Any) -> tuple[int, ...]:
     return kind.stacked_shape(layer)
 
 
-def _other_sizes(layer: Any) -> tuple[int | None, int | None]:
-    if isinstance(layer, eqx.nn.Conv | eqx.nn.ConvTranspose):
-        return layer.in_channels, layer.out_channels
-    if isinstance(layer, eqx.nn.GRUCell | eqx.nn.LSTMCell):
-        return layer.input_size, layer.hidden_size
-    if isinstance(layer, eqx.nn.Embedding):
-        return layer.num_embeddings, layer.embedding_size
-    if isinstance(layer, eqx.nn.MultiheadAttention):
-        return layer.query_size, layer.output_size
-    In, Out = getattr(layer, "In", None), getattr(layer, "Out", None)
-    if _haliax.loaded() and isinstance(layer, _haliax.hnn().Embedding):
-        In, Out = layer.Vocab, layer.Embed
-    sizes = []
-    for spec in (In, Out):
-        sizes.append(axis_size(spec) if (isinstance(spec, tuple) or _haliax.is_axis(spec)) else None)
-    return sizes[0], sizes[1]
-
-
 def conversion_report(module: Any, config: Fp8Config | None = None) -> ConversionReport:
     """What [`fp8ax.fp8_linear_layers`][]`(module, config)` converts, what it skips, and
     why; it converts nothing itself.
@@ -224,7 +237,7 @@ def conversion_report(module: Any, config: Fp8Config | None = None) -> Conversio
     if not isinstance(config, Fp8Config):
         raise TypeError(f"`config` must be an `fp8ax.Fp8Config`, got {type(config).__name__}.")
     not_converted = _not_converted()
-    other = tuple(kind for kind, _ in not_converted)
+    other = tuple(kind for kind, _, _ in not_converted)
 
     def stop(x):
         return is_linear(x) or isinstance(x, other)
@@ -241,8 +254,8 @@ def conversion_report(module: Any, config: Fp8Config | None = None) -> Conversio
             fin, fout = layer_features(node)
             rows.append(LayerConversion(p, _kind(node), fin, fout, _stacked(node), d.action, d.reason))
         else:
-            reason = next(why for kind, why in not_converted if isinstance(node, kind))
-            rows.append(LayerConversion(p, _kind(node), *_other_sizes(node), (), "unsupported", reason))
+            reason, sizes = next((why, sizes) for kind, why, sizes in not_converted if isinstance(node, kind))
+            rows.append(LayerConversion(p, _kind(node), *sizes(node), (), "unsupported", reason))
     # Attention modules hold linear layers, so they are found in a second pass and listed
     # just before their projections.
     is_attn = lambda x: isinstance(x, eqx.nn.MultiheadAttention)  # noqa: E731
@@ -250,7 +263,7 @@ def conversion_report(module: Any, config: Fp8Config | None = None) -> Conversio
         if not is_attn(node):
             continue
         p = path_str(path)
-        row = LayerConversion(p, _kind(node), *_other_sizes(node), (), "unsupported", _ATTENTION)
+        row = LayerConversion(p, _kind(node), *_sizes("query_size", "output_size")(node), (), "unsupported", _ATTENTION)
         at = next((i for i, r in enumerate(rows) if r.path.startswith(p + ".") or r.path == p), len(rows))
         rows.insert(at, row)
     if callable(getattr(module, "get_lm_head", None)):
