@@ -74,7 +74,7 @@ def fp8_linear_layers(module: T, config: Fp8Config | None = None) -> T:
 
     `ValueError` if `module` holds no linear layer, or if `config.targets` is given and
     selects none of them (the message lists the paths that exist). `RuntimeError` if
-    `module` holds a `haliax.nn.Linear` and the installed Haliax cannot run a named-axis
+    it converts a `haliax.nn.Linear` and the installed Haliax cannot run a named-axis
     matmul on the installed JAX (the message says which versions to install).
 
     !!! Example
