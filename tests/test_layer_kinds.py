@@ -226,10 +226,7 @@ def test_checkpoint_stats_and_unused_warning(name, getkey):
     with pytest.raises(ValueError, match=r"3 more follow.*FP8 state after its last layer"):  # the layer is the last
         fp8ax.tree_deserialise_leaves(buf, fp8ax.strip_fp8(fp8))
     buf.seek(0)
-    # (An MoE layer's per-expert weight state is not recognised as state by its shape: the
-    # checkpoint's layer reads as plain there, which is still refused, naming the layer.)
-    held = "an FP8 training layer" if name != "hax-moe" else "a plain layer"
-    with pytest.raises(ValueError, match=rf"`{case.path}`: `like` has a serving layer.*holds {held}"):
+    with pytest.raises(ValueError, match=rf"`{case.path}`: `like` has a serving layer.*holds an FP8 training layer"):
         fp8ax.tree_deserialise_leaves(buf, fp8ax.to_serving(trained))
     stats = fp8ax.scaling_stats(trained, lambda m: case.call(m, x))
     # Observed: a saturation fraction per stacked layer, under the layer's path.

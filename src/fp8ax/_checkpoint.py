@@ -121,8 +121,9 @@ def _kind_of_records(records, start: int, weight_shape, n_own: int, layouts=()) 
 def _holds_states(records, weight_shape, entry_ndims) -> bool:
     """Whether `records` begin with the float32 arrays of three states (lhs, rhs, grad)
     of a recipe whose state arrays have `entry_ndims` per-layer dimensions, each with the
-    stacked dimensions of the weight in front (for delayed scaling: a scale (batch) and a
-    history (batch + (H,)), three times)."""
+    stacked dimensions of the weight in front (for delayed scaling: one array of
+    batch + (H + 2,), three times). A state may have one more leading dimension, the
+    weight's next one: a grouped GEMM's state per expert (`Fp8Config.per_expert_weights`)."""
     k = len(entry_ndims)
     after = records[: 3 * k]
     if len(after) < 3 * k or not all(d == "<f4" for _, d in after):
@@ -130,10 +131,12 @@ def _holds_states(records, weight_shape, entry_ndims) -> bool:
     n_batch = len(after[0][0]) - entry_ndims[0]
     if n_batch < 0:
         return False
-    batch = tuple(weight_shape[:n_batch])
-    return all(
-        len(shape) == n_batch + entry_ndims[i % k] and shape[:n_batch] == batch for i, (shape, _) in enumerate(after)
-    )
+    weight_shape = tuple(weight_shape)
+    for i, (shape, _) in enumerate(after):
+        lead = len(shape) - entry_ndims[i % k]
+        if lead not in (n_batch, n_batch + 1) or lead > len(weight_shape) - 2 or shape[:lead] != weight_shape[:lead]:
+            return False
+    return True
 
 
 def _advice(like_kind: str, ckpt_kind: str | None) -> str:
