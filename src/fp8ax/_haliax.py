@@ -272,7 +272,18 @@ def state_named_class() -> type:
     doc = "A `haliax.NamedArray` child of an fp8ax state (built without Haliax's checks)."
     cls = type(base)("StateNamedArray", (base,), {"__module__": __name__, "__doc__": doc})
     jax.tree_util.register_pytree_node(cls, lambda x: ((x.array,), getattr(x, kind)), rebuild)
+    global _STATE_NAMED_CLASS
+    _STATE_NAMED_CLASS = cls
     return cls
+
+
+_STATE_NAMED_CLASS: type | None = None
+
+
+def made_state_named_class() -> type | None:
+    """`state_named_class()` if it was made (a state has been named), else None: a check
+    that imports nothing, for every unflatten of a state."""
+    return _STATE_NAMED_CLASS
 
 
 if not TYPE_CHECKING:  # (so that the type checker still flags a misspelt attribute)

@@ -115,13 +115,21 @@ class AbstractState:
     # and its filtered or sliced copies have the same tree structure, as Haliax's own
     # layers do (`haliax.nn.Stacked`'s scan combines a sliced copy with a filtered one).
 
+    def _axes_of(self) -> Any:
+        """`_axes`; read from the kept children for a state rebuilt from them (`_rebuild`),
+        once, when first needed."""
+        if self._axes is _FROM_KIDS:
+            object.__setattr__(self, "_axes", tuple(_haliax.axis_pairs(kid) for kid in self._kids))
+        return self._axes
+
     def _children(self) -> tuple:
         if self._kids is not None:
             return self._kids
         leaves = tuple(self._leaf(i) for i in range(len(self.fields)))
         kids = leaves
-        if self._axes is not None:
-            kids = tuple(v if ax is None else _haliax.named(v, _fit(ax, v)) for v, ax in zip(leaves, self._axes))
+        axes = self._axes_of()
+        if axes is not None:
+            kids = tuple(v if ax is None else _haliax.named(v, _fit(ax, v)) for v, ax in zip(leaves, axes))
         if all(leaf is not None for leaf in self._leaves):
             # Concrete values (no view to make afresh): the same children every flatten,
             # as a training loop flattens the model at every call of its jitted step.
@@ -131,18 +139,18 @@ class AbstractState:
     @classmethod
     def _rebuild(cls, label, children) -> Self:
         # The node's static data is the layer's name (see `_labelled`), or None.
-        named_array = _haliax.named_array_class()
-        if named_array is None:
-            return cls._make(children, None, label)
         kept = _kept_children(children, len(cls.fields))
         if kept is not None:
             # What a training loop's model holds, step after step: the children this
             # class flattens to, with concrete float32 arrays. They are kept as they
             # are, as the values and as the children of the next flatten.
-            values, axes = kept
+            # (Their axes are read from them when needed: `_axes_of`.)
             state = object.__new__(cls)
-            state._assign(values, values, axes, label, tuple(children))
+            state._assign(kept, kept, _FROM_KIDS, label, tuple(children))
             return state
+        named_array = _haliax.named_array_class()
+        if named_array is None:
+            return cls._make(children, None, label)
         values, axes, named = [], [], False
         for child in children:
             if isinstance(child, named_array):
@@ -168,7 +176,7 @@ class AbstractState:
     def _labelled(self, label: str) -> Self:
         """This state, named `label` (its layer's path, set by the conversion):
         differentiating a step that never calls the layer warns with it."""
-        return type(self)._make(self._values, self._axes, label)
+        return type(self)._make(self._values, self._axes_of(), label)
 
     def _named(self, batch_axes: tuple[tuple[str, int], ...]) -> Self:
         """This state with named axes: `batch_axes` (`(name, size)` pairs) for its stacked
@@ -182,7 +190,7 @@ class AbstractState:
 
     def _with_values(self, values, axes: Any = ...) -> Self:
         """A state of this type holding `values`, with this state's axis names and label."""
-        return type(self)._make(values, self._axes if axes is ... else axes, self._label)
+        return type(self)._make(values, self._axes_of() if axes is ... else axes, self._label)
 
     @property
     def batch_shape(self) -> tuple[int, ...]:
@@ -202,7 +210,7 @@ class AbstractState:
         # Pickling (Ray, `copy.deepcopy`): the values as float32, the axis names and the
         # label; the immutable state is rebuilt through `_make`, not attribute by attribute.
         values = tuple(as_f32(v) for v in self._values)
-        return type(self)._make, (values, self._axes, self._label)
+        return type(self)._make, (values, self._axes_of(), self._label)
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{name}={_short(v)}" for name, v in zip(self.fields, self._values))
@@ -256,13 +264,13 @@ def _remember(leaf, value) -> None:
 
 
 def _kept_children(children, count: int) -> tuple | None:
-    """`(values, axes)` of a state whose `count` children are all what `_children` builds
-    from concrete float32 values (`_haliax.named`'s class, holding a float32 array that is
-    no tracer: what `_enter` passes through unchanged); None otherwise."""
-    kind = _haliax.state_named_class()
-    if len(children) != count:
+    """The values of a state whose `count` children are all what `_children` builds from
+    concrete float32 values (`_haliax.named`'s class, holding a float32 array that is no
+    tracer: what `_enter` passes through unchanged); None otherwise."""
+    kind = _haliax.made_state_named_class()  # (None before any state was named: no Haliax import)
+    if kind is None or len(children) != count:
         return None
-    values, axes = [], []
+    values = []
     for child in children:
         if type(child) is not kind:
             return None
@@ -270,8 +278,11 @@ def _kept_children(children, count: int) -> tuple | None:
         if getattr(value, "dtype", None) != _F32 or isinstance(value, jax.core.Tracer):
             return None
         values.append(value)
-        axes.append(_haliax.axis_pairs(child))
-    return tuple(values), tuple(axes)
+    return tuple(values)
+
+
+# `_axes` of a state rebuilt from its kept children: read from them when first needed.
+_FROM_KIDS = object()
 
 
 # The tracers `jax.grad` (`jax.vjp`, `jax.linearize`) makes of the inputs it
