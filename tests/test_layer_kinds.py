@@ -292,3 +292,23 @@ def test_a_kind_that_does_not_serve_is_refused_by_name(getkey):
     assert fp8ax.conversion_report(model).layers[0].kind == "Unserved"
     with pytest.raises(ValueError, match=r"Layer `head` is a converted Unserved .*does not say how to serve it"):
         fp8ax.to_serving(model)
+
+
+def test_serving_freezer_names_bad_arguments(getkey):
+    """`ServingFreezer`'s methods name the argument that is wrong."""
+    from fp8ax import ServingFreezer
+
+    layer = fp8ax.fp8_linear_layers(eqx.nn.Linear(4, 3, key=getkey()))
+    freeze, op, w = ServingFreezer("head"), layer.dot_general, layer.weight
+    with pytest.raises(
+        TypeError, match=r"`ServingFreezer.dense`: `op` must be an `fp8ax.Fp8DotGeneral`, got Fp8Linear"
+    ):
+        freeze.dense(layer, w, (1,))
+    with pytest.raises(TypeError, match=r"`weight` must be an array, got list"):
+        freeze.dense(op, [[1.0]], (1,))
+    with pytest.raises(ValueError, match=r"`n_batch` must be an int from 0 to 0 .*got 1"):
+        freeze.dense(op, w, (1,), n_batch=1)
+    with pytest.raises(ValueError, match=r"`contracting` must be a non-empty tuple .*\[0, 2\)\), got \(2,\)"):
+        freeze.dense(op, w, (2,))
+    with pytest.raises(TypeError, match=r"`ServingFreezer.grouped`: `op` must be an `fp8ax.Fp8RaggedDot`"):
+        freeze.grouped(op, w)

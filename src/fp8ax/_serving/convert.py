@@ -167,6 +167,22 @@ def _convert_gemm(
     return eqx.filter_jit(encode)(f.q.values), serving
 
 
+def _check_frozen(method: str, op, op_type: type, weight, n_batch) -> None:
+    """The arguments every `ServingFreezer` method takes, checked where a mistake would
+    otherwise surface deep in the quantization."""
+    if not isinstance(op, op_type):
+        raise TypeError(
+            f"`ServingFreezer.{method}`: `op` must be an `fp8ax.{op_type.__name__}`, got {type(op).__name__}."
+        )
+    if not hasattr(weight, "ndim") or not hasattr(weight, "dtype"):
+        raise TypeError(f"`ServingFreezer.{method}`: `weight` must be an array, got {type(weight).__name__}.")
+    if isinstance(n_batch, bool) or not isinstance(n_batch, int) or not 0 <= n_batch <= weight.ndim - 2:
+        raise ValueError(
+            f"`ServingFreezer.{method}`: `n_batch` must be an int from 0 to {weight.ndim - 2} (the stacked dimensions "
+            f"in front of a weight of {weight.ndim} dimensions), got {n_batch!r}."
+        )
+
+
 class ServingFreezer:
     """What [`fp8ax.to_serving`][] hands a layer kind's `LayerKind.to_serving`: it freezes
     the weight of one FP8 op, quantized once with the op's recipe and state as the
@@ -199,6 +215,19 @@ class ServingFreezer:
         for bit.
         """
         layer, check = self.path, self._check
+        _check_frozen("dense", op, Fp8DotGeneral, weight, n_batch)
+        if isinstance(op, Fp8RaggedDot):
+            raise TypeError("`ServingFreezer.dense`: `op` is a grouped GEMM (`fp8ax.Fp8RaggedDot`); use `grouped`.")
+        own = weight.ndim - n_batch
+        if not (
+            isinstance(contracting, tuple | list)
+            and contracting
+            and all(isinstance(a, int) and not isinstance(a, bool) and 0 <= a < own for a in contracting)
+        ):
+            raise ValueError(
+                f"`ServingFreezer.dense`: `contracting` must be a non-empty tuple of axes of one stacked entry of "
+                f"`weight` (ints in [0, {own})), got {contracting!r}."
+            )
         stacked = stacked or f"the leading weight dims {tuple(weight.shape[:n_batch])}"
         return _convert_gemm(layer, op, weight, tuple(contracting), n_batch, check, stacked)
 
@@ -208,6 +237,12 @@ class ServingFreezer:
         """`(stored, serving_op)` for the expert weights `weight` (`(*stacked, experts,
         in, out)`) of the grouped GEMM `op`, as `dense` for a dense one."""
         layer, check, rg = self.path, self._check, op
+        _check_frozen("grouped", op, Fp8RaggedDot, weight, n_batch)
+        if weight.ndim - n_batch != 3:
+            raise ValueError(
+                "`ServingFreezer.grouped`: `weight` must be (*stacked, experts, in, out) with `n_batch` stacked "
+                f"dimensions, got shape {tuple(weight.shape)} and n_batch={n_batch}."
+            )
         weight_dtype = np.dtype(weight.dtype)
 
         def quantize(w, state):
