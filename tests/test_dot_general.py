@@ -461,24 +461,23 @@ def test_no_gpu_advice_on_the_cpu(monkeypatch, getkey):
 
 
 def test_every_gemm_setting_reads_the_same_on_ops_and_config():
-    # One place (`SettingsView`) answers what an op's or a config's settings are, under
-    # the names users know; it names every field of `GemmSettings`, so a new setting
-    # cannot be readable on one and missing on another (as `accumulation` and
-    # `block_scaled_gemm` were on `Fp8DotGeneral`).
-    from fp8ax._gemm import SETTINGS_FIELDS, SettingsView
-
-    views = {name for name, value in vars(SettingsView).items() if isinstance(value, property)}
-    assert views == set(SETTINGS_FIELDS), sorted(views ^ set(SETTINGS_FIELDS))
-    # The other typed copies of the names agree too: the constructor's arguments, in the
-    # fields' order, and the keywords the ops and the config pass on (all but the two
-    # positional ones).
+    # Each setting is written once, as a field of `GemmSettings` (with its default and
+    # check); the constructor is the dataclass's, and `SettingsView` reads every field by
+    # its name on the ops and the config, so a new setting cannot be readable on one and
+    # missing on another (as `accumulation` and `block_scaled_gemm` were on
+    # `Fp8DotGeneral`). The one other copy, the typed keywords the ops and the config pass
+    # on (`GemmKeywords`, for static checkers), names the same fields in the same order
+    # (all but the two positional ones).
     import inspect
 
-    from fp8ax._gemm import GEMM_KEYWORDS
+    from fp8ax._gemm import GEMM_KEYWORDS, SETTINGS_FIELDS, GemmKeywords
 
-    params = list(inspect.signature(fp8ax.GemmSettings.__init__).parameters)[1:]
-    assert params == list(SETTINGS_FIELDS), (params, SETTINGS_FIELDS)
+    params = inspect.signature(fp8ax.GemmSettings).parameters
+    assert list(params) == list(SETTINGS_FIELDS), (list(params), SETTINGS_FIELDS)
+    assert [p.kind for p in params.values()][:2] == [inspect.Parameter.POSITIONAL_OR_KEYWORD] * 2
+    assert {p.kind for p in list(params.values())[2:]} == {inspect.Parameter.KEYWORD_ONLY}
     assert list(GEMM_KEYWORDS) == [f for f in SETTINGS_FIELDS if f not in ("recipe", "mode")], GEMM_KEYWORDS
+    assert GemmKeywords.__optional_keys__ == frozenset(GEMM_KEYWORDS)
     acc = fp8ax.EmulatedAccumulation()
     settings = fp8ax.GemmSettings(fp8ax.CurrentScaling(), accumulation=acc, high_precision_gemms=("drhs",))
     grouped = fp8ax.GemmSettings(fp8ax.MXScaling(), block_scaled_gemm=False, high_precision_gemms=("dlhs",))

@@ -20,17 +20,24 @@ MODES = ("direct", "qdq")
 GEMMS = ("fwd", "dlhs", "drhs")
 
 
-def _check_accumulation(value, mode):
-    if value is None:
-        return None
-    if not isinstance(value, EmulatedAccumulation):
+def _check_accumulation(value):
+    if value is not None and not isinstance(value, EmulatedAccumulation):
         raise TypeError(f"`accumulation` must be an `fp8ax.EmulatedAccumulation` or None, got {value!r}.")
-    if mode != "direct":
-        raise ValueError(
-            f'`accumulation` needs `mode="direct"`, got mode={mode!r}: in "qdq" mode the GEMM runs on dequantized '
-            "values, which a tensor core never sees."
-        )
     return value
+
+
+def _check_block_scaled(value):
+    if value not in (None, True, False):
+        raise TypeError(f"`block_scaled_gemm` must be None, True or False, got {value!r}.")
+    return value
+
+
+def _precision(argname: str):
+    return lambda value: check_precision(value, argname)
+
+
+def _override(argname: str):
+    return lambda value: _check_override(argname, value)
 
 
 def check_precision(value, argname: str):
@@ -115,98 +122,85 @@ class GemmSettings(eqx.Module):
     Immutable and checked when built. [`fp8ax.Fp8Config`][] holds one (plus which layers
     to convert); [`fp8ax.Fp8DotGeneral`][] holds one as its only static field. Change a
     field with `dataclasses.replace(settings, mode="qdq")` (checked again).
+
+    **Arguments** (the fields, in this order; all but `recipe` and `mode` keyword only):
+
+    - `recipe`: the scaling recipe; default [`fp8ax.DelayedScaling`][]`()`.
+    - `mode`: `"direct"` (default) quantizes both operands and calls `lax.dot_general`
+      on the low-precision arrays with a float32 (int32 for int8) result, then multiplies
+      by the scales. `"qdq"` quantizes, dequantizes back to the compute dtype and calls a
+      high-precision `dot_general`: the convert-multiply-dot pattern that XLA's GPU
+      compiler rewrites into a cuBLASLt FP8 GEMM. With float32 operands both give the
+      same result up to float32 rounding; with bf16 operands `"qdq"` dequantizes in bf16
+      (as XLA's pattern requires), which rounds the scales to bf16 too.
+    - `compute_dtype`: if given, both operands are cast to it first (for example
+      `jnp.bfloat16`).
+    - `fwd_precision`: `lax.Precision` of the forward GEMM; `None` (default) uses the
+      `precision` passed by the caller. On GPU, `DEFAULT` lets XLA use FP8 fast
+      accumulation and `HIGHEST` turns it off.
+    - `dlhs_precision`, `drhs_precision`: the same for the two backward GEMMs (input
+      gradient and kernel gradient); default `lax.Precision.DEFAULT`.
+    - `lhs_recipe`, `rhs_recipe`, `grad_recipe`: per-operand overrides of a stateless
+      `recipe`: `None` (default) uses `recipe`, `"off"` leaves that operand in high
+      precision, a stateless recipe quantizes it that way.
+    - `high_precision_gemms`: GEMMs computed without quantization, from `"fwd"`, `"dlhs"`
+      (input gradient) and `"drhs"` (weight gradient); e.g. `("drhs",)` is torchao's
+      `rowwise_with_gw_hp`. Stateless recipes only. Default `()`.
+    - `fp8_all_gather_axes`: the Haliax axis names of `rhs`, in order. If given, the FP8
+      `rhs` is laid out by the current Haliax axis mapping right after quantization (a
+      sharding constraint), so that an FSDP all-gather of the weight moves FP8 values.
+      `None` (default): no constraint.
+    - `accumulation`: an [`fp8ax.EmulatedAccumulation`][] to compute each GEMM of two
+      floating-point quantized operands as a tensor core accumulates it (limited
+      precision, promotion to float32 every so many elements), on any backend; needs
+      `mode="direct"`. `None` (default): XLA's float32 accumulation.
+    - `block_scaled_gemm`: whether a block-scaled GEMM (MXFP8: E4M3 or E5M2 values, E8M0
+      scales per 32 elements of its one contracting axis; NVFP4: E2M1 values, E4M3
+      scales per 16, times the tensor scales) runs as JAX's block-scaled GEMM,
+      `jax.nn.scaled_matmul`, which XLA:GPU hands to cuDNN's block-scaled kernel on
+      Blackwell (compute capability 10.0 and newer). `None` (default): when the default
+      device is such a GPU; `True`: always (JAX lowers it for GPUs only); `False`: never
+      (the blocks are dequantized and multiplied, the same numbers).
     """
 
-    recipe: AbstractScalingRecipe = eqx.field(static=True)
-    mode: Mode = eqx.field(static=True)
-    compute_dtype: np.dtype | None = eqx.field(static=True)
-    fwd_precision: lax.Precision | None = eqx.field(static=True)
-    dlhs_precision: lax.Precision | None = eqx.field(static=True)
-    drhs_precision: lax.Precision | None = eqx.field(static=True)
-    lhs_recipe: Any = eqx.field(static=True)
-    rhs_recipe: Any = eqx.field(static=True)
-    grad_recipe: Any = eqx.field(static=True)
-    high_precision_gemms: tuple[str, ...] = eqx.field(static=True)
-    fp8_all_gather_axes: tuple[str, ...] | None = eqx.field(static=True)
-    accumulation: EmulatedAccumulation | None = eqx.field(static=True)
-    block_scaled_gemm: bool | None = eqx.field(static=True)
+    # Each setting is written here once: its name, type, default and check (the
+    # converter). The constructor is the dataclass's; `SettingsView` reads the fields by
+    # these names, and `GemmKeywords` types them for static checkers (a test checks that
+    # both agree with these fields).
+    recipe: AbstractScalingRecipe = eqx.field(static=True, default=None, converter=_check_recipe)
+    mode: Mode = eqx.field(static=True, default="direct", converter=_check_mode)
+    compute_dtype: np.dtype | None = eqx.field(static=True, default=None, kw_only=True, converter=check_compute_dtype)
+    fwd_precision: lax.Precision | None = eqx.field(
+        static=True, default=None, kw_only=True, converter=_precision("fwd_precision")
+    )
+    dlhs_precision: lax.Precision | None = eqx.field(
+        static=True, default=lax.Precision.DEFAULT, kw_only=True, converter=_precision("dlhs_precision")
+    )
+    drhs_precision: lax.Precision | None = eqx.field(
+        static=True, default=lax.Precision.DEFAULT, kw_only=True, converter=_precision("drhs_precision")
+    )
+    lhs_recipe: Any = eqx.field(static=True, default=None, kw_only=True, converter=_override("lhs_recipe"))
+    rhs_recipe: Any = eqx.field(static=True, default=None, kw_only=True, converter=_override("rhs_recipe"))
+    grad_recipe: Any = eqx.field(static=True, default=None, kw_only=True, converter=_override("grad_recipe"))
+    high_precision_gemms: tuple[str, ...] = eqx.field(
+        static=True, default=(), kw_only=True, converter=_check_high_precision
+    )
+    fp8_all_gather_axes: tuple[str, ...] | None = eqx.field(
+        static=True, default=None, kw_only=True, converter=_check_axes
+    )
+    accumulation: EmulatedAccumulation | None = eqx.field(
+        static=True, default=None, kw_only=True, converter=_check_accumulation
+    )
+    block_scaled_gemm: bool | None = eqx.field(static=True, default=None, kw_only=True, converter=_check_block_scaled)
 
-    def __init__(
-        self,
-        recipe: AbstractScalingRecipe | None = None,
-        mode: Mode = "direct",
-        *,
-        compute_dtype=None,
-        fwd_precision: lax.Precision | None = None,
-        dlhs_precision: lax.Precision | None = lax.Precision.DEFAULT,
-        drhs_precision: lax.Precision | None = lax.Precision.DEFAULT,
-        lhs_recipe=None,
-        rhs_recipe=None,
-        grad_recipe=None,
-        high_precision_gemms: Sequence[str] = (),
-        fp8_all_gather_axes: Sequence[str] | None = None,
-        accumulation: EmulatedAccumulation | None = None,
-        block_scaled_gemm: bool | None = None,
-    ):
-        """**Arguments:**
-
-        - `recipe`: the scaling recipe; default [`fp8ax.DelayedScaling`][]`()`.
-        - `mode`: `"direct"` (default) quantizes both operands and calls
-          `lax.dot_general` on the low-precision arrays with a float32 (int32 for int8)
-          result, then multiplies by the scales. `"qdq"` quantizes, dequantizes back to
-          the compute dtype and calls a high-precision `dot_general`: the
-          convert-multiply-dot pattern that XLA's GPU compiler rewrites into a cuBLASLt
-          FP8 GEMM. With float32 operands both give the same result up to float32
-          rounding; with bf16 operands `"qdq"` dequantizes in bf16 (as XLA's pattern
-          requires), which rounds the scales to bf16 too.
-        - `compute_dtype`: if given, both operands are cast to it first (for example
-          `jnp.bfloat16`). (Keyword only argument.)
-        - `fwd_precision`: `lax.Precision` of the forward GEMM; `None` uses the `precision`
-          passed by the caller. On GPU, `DEFAULT` lets XLA use FP8 fast accumulation and
-          `HIGHEST` turns it off. (Keyword only argument.)
-        - `dlhs_precision`, `drhs_precision`: the same for the two backward GEMMs (input
-          gradient and kernel gradient). (Keyword only arguments.)
-        - `lhs_recipe`, `rhs_recipe`, `grad_recipe`: per-operand overrides of a stateless
-          `recipe`: `None` (default) uses `recipe`, `"off"` leaves that operand in high
-          precision, a stateless recipe quantizes it that way. (Keyword only arguments.)
-        - `high_precision_gemms`: GEMMs computed without quantization, from `"fwd"`,
-          `"dlhs"` (input gradient) and `"drhs"` (weight gradient); e.g. `("drhs",)` is
-          torchao's `rowwise_with_gw_hp`. Stateless recipes only. (Keyword only argument.)
-        - `fp8_all_gather_axes`: the Haliax axis names of `rhs`, in order. If given, the
-          FP8 `rhs` is laid out by the current Haliax axis mapping right after
-          quantization (a sharding constraint), so that an FSDP all-gather of the weight
-          moves FP8 values. `None` (default): no constraint. (Keyword only argument.)
-        - `accumulation`: an [`fp8ax.EmulatedAccumulation`][] to compute each GEMM of two
-          floating-point quantized operands as a tensor core accumulates it (limited
-          precision, promotion to float32 every so many elements), on any backend; needs
-          `mode="direct"`. `None` (default): XLA's float32 accumulation. (Keyword only
-          argument.)
-        - `block_scaled_gemm`: whether a block-scaled GEMM (MXFP8: E4M3 or E5M2 values,
-          E8M0 scales per 32 elements of its one contracting axis; NVFP4: E2M1 values,
-          E4M3 scales per 16, times the tensor scales) runs as JAX's block-scaled GEMM,
-          `jax.nn.scaled_matmul`, which XLA:GPU hands to cuDNN's block-scaled kernel on
-          Blackwell (compute capability 10.0 and newer). `None` (default): when the
-          default device is such a GPU; `True`: always (JAX lowers it for GPUs only);
-          `False`: never (the blocks are dequantized and multiplied, the same numbers).
-          (Keyword only argument.)
-        """
-        self.recipe = _check_recipe(recipe)
-        self.mode = _check_mode(mode)
-        self.compute_dtype = check_compute_dtype(compute_dtype)
-        self.fwd_precision = check_precision(fwd_precision, "fwd_precision")
-        self.dlhs_precision = check_precision(dlhs_precision, "dlhs_precision")
-        self.drhs_precision = check_precision(drhs_precision, "drhs_precision")
-        self.lhs_recipe = _check_override("lhs_recipe", lhs_recipe)
-        self.rhs_recipe = _check_override("rhs_recipe", rhs_recipe)
-        self.grad_recipe = _check_override("grad_recipe", grad_recipe)
-        self.high_precision_gemms = _check_high_precision(high_precision_gemms)
-        self.fp8_all_gather_axes = _check_axes(fp8_all_gather_axes)
-        self.accumulation = _check_accumulation(accumulation, self.mode)
-        if block_scaled_gemm not in (None, True, False):
-            raise TypeError(f"`block_scaled_gemm` must be None, True or False, got {block_scaled_gemm!r}.")
-        self.block_scaled_gemm = block_scaled_gemm
-        changed = any(v is not None for v in (lhs_recipe, rhs_recipe, grad_recipe)) or self.high_precision_gemms
-        if changed and self.recipe.stateful:
+    def __check_init__(self):
+        if self.accumulation is not None and self.mode != "direct":
+            raise ValueError(
+                f'`accumulation` needs `mode="direct"`, got mode={self.mode!r}: in "qdq" mode the GEMM runs on '
+                "dequantized values, which a tensor core never sees."
+            )
+        changed = any(v is not None for v in (self.lhs_recipe, self.rhs_recipe, self.grad_recipe))
+        if (changed or self.high_precision_gemms) and self.recipe.stateful:
             raise ValueError(
                 "Per-operand recipes and `high_precision_gemms` need a stateless `recipe` (`fp8ax.CurrentScaling`, "
                 f"`fp8ax.MXScaling`, `fp8ax.Int8Scaling`); got {type(self.recipe).__name__}, whose state covers all "
@@ -248,36 +242,28 @@ SETTINGS_FIELDS = tuple(f.name for f in dataclasses.fields(GemmSettings))
 
 
 class SettingsView(eqx.Module):
-    """Read-only views of `settings`' fields under the names users know: the one place
-    that answers what an op's (or a config's) GEMM settings are. [`fp8ax.Fp8DotGeneral`][],
-    [`fp8ax.Fp8RaggedDot`][] and [`fp8ax.Fp8Config`][] derive from it;
-    tests/test_dot_general.py checks that it names every field of `GemmSettings`."""
+    """Read-only views of `settings`' fields under their own names (`op.mode` is
+    `op.settings.mode`): the one place that answers what an op's (or a config's) GEMM
+    settings are. [`fp8ax.Fp8DotGeneral`][], [`fp8ax.Fp8RaggedDot`][] and
+    [`fp8ax.Fp8Config`][] derive from it. It reads whatever fields `GemmSettings` has, so
+    a new setting is readable on all three at once."""
 
     settings: eqx.AbstractVar[GemmSettings]
 
-    recipe = property(lambda self: self.settings.recipe, doc="The scaling recipe (`settings.recipe`).")
-    mode = property(lambda self: self.settings.mode, doc="`settings.mode`.")
-    compute_dtype = property(lambda self: self.settings.compute_dtype, doc="`settings.compute_dtype`.")
-    fwd_precision = property(lambda self: self.settings.fwd_precision, doc="`settings.fwd_precision`.")
-    dlhs_precision = property(lambda self: self.settings.dlhs_precision, doc="`settings.dlhs_precision`.")
-    drhs_precision = property(lambda self: self.settings.drhs_precision, doc="`settings.drhs_precision`.")
-    lhs_recipe = property(lambda self: self.settings.lhs_recipe, doc="`settings.lhs_recipe`.")
-    rhs_recipe = property(lambda self: self.settings.rhs_recipe, doc="`settings.rhs_recipe`.")
-    grad_recipe = property(lambda self: self.settings.grad_recipe, doc="`settings.grad_recipe`.")
-    high_precision_gemms = property(
-        lambda self: self.settings.high_precision_gemms, doc="`settings.high_precision_gemms`."
-    )
-    fp8_all_gather_axes = property(
-        lambda self: self.settings.fp8_all_gather_axes, doc="`settings.fp8_all_gather_axes`."
-    )
-    accumulation = property(lambda self: self.settings.accumulation, doc="`settings.accumulation`.")
-    block_scaled_gemm = property(lambda self: self.settings.block_scaled_gemm, doc="`settings.block_scaled_gemm`.")
+    def __getattr__(self, name: str) -> Any:
+        # Only called for names the instance and its class do not have.
+        if name in SETTINGS_FIELDS:
+            return getattr(self.settings, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 class GemmKeywords(TypedDict, total=False):
-    """The keyword arguments of [`fp8ax.GemmSettings`][] besides `recipe` and `mode`,
-    declared once: [`fp8ax.Fp8DotGeneral.init`][] and [`fp8ax.Fp8Config`][] take them as
-    they are and pass them on (their defaults and checks are `GemmSettings`')."""
+    """The keyword arguments of [`fp8ax.GemmSettings`][] besides `recipe` and `mode`, typed
+    for static checkers: [`fp8ax.Fp8DotGeneral.init`][], [`fp8ax.Fp8RaggedDot.init`][] and
+    [`fp8ax.Fp8Config`][] take them as they are and pass them on (their defaults and
+    checks are `GemmSettings`' fields'). The one copy of the names besides those fields,
+    which a type checker cannot derive from a dataclass; tests/test_dot_general.py checks
+    that the two agree."""
 
     compute_dtype: Any
     fwd_precision: lax.Precision | None

@@ -1,3 +1,4 @@
+import dataclasses
 import functools
 from typing import Unpack, cast
 
@@ -75,9 +76,7 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
         if unknown:
             raise TypeError(f"`Fp8DotGeneral` got unexpected keyword arguments {unknown}.")
         if changes:
-            kwargs = {name: getattr(settings, name) for name in SETTINGS_FIELDS}
-            kwargs.update(changes)
-            settings = GemmSettings(**kwargs)
+            settings = dataclasses.replace(settings, **changes)
         self.lhs, self.rhs, self.grad, self.settings = lhs, rhs, grad, settings
 
     def __check_init__(self):
