@@ -217,6 +217,19 @@ def test_named_state_children_unflatten_without_haliax_checks(getkey, monkeypatc
     # Concrete children are kept: the next flatten hands out the same objects.
     kids = jax.tree.leaves(again, is_leaf=hax.is_named_array)
     assert all(a is b for a, b in zip(kids, jax.tree.leaves(again, is_leaf=hax.is_named_array), strict=True))
+    # So are a filter's placeholders: the static half of `eqx.partition`, which
+    # `eqx.filter_jit` flattens and rebuilds on every call, holds None in each child, and
+    # the halves combine into the model.
+    arrays, static = eqx.partition(again, eqx.is_array)
+    rebuilt = jax.tree.unflatten(*reversed(jax.tree.flatten(static)))
+    kids = jax.tree.leaves(rebuilt, is_leaf=hax.is_named_array)
+    assert all(type(k) is type(child) and k.array is None for k in kids)
+    assert all(a is b for a, b in zip(kids, jax.tree.leaves(rebuilt, is_leaf=hax.is_named_array), strict=True))
+    assert calls == []
+    combined = eqx.combine(arrays, rebuilt)
+    assert jax.tree.structure(combined) == treedef
+    assert all(a is b for a, b in zip(jax.tree.leaves(combined), leaves, strict=True))
+    assert combined.lhs.batch_shape == dg.lhs.batch_shape
     monkeypatch.undo()
 
     # A Haliax op on a child returns a plain NamedArray; the state takes it back, and

@@ -265,8 +265,9 @@ def _remember(leaf, value) -> None:
 
 def _kept_children(children, count: int) -> tuple | None:
     """The values of a state whose `count` children are all what `_children` builds from
-    concrete float32 values (`_haliax.named`'s class, holding a float32 array that is no
-    tracer: what `_enter` passes through unchanged); None otherwise."""
+    concrete float32 values or placeholders (`_haliax.named`'s class, holding a float32
+    array that is no tracer, or None: what `_enter` passes through unchanged); None
+    otherwise."""
     kind = _haliax.made_state_named_class()  # (None before any state was named: no Haliax import)
     if kind is None or len(children) != count:
         return None
@@ -275,7 +276,9 @@ def _kept_children(children, count: int) -> tuple | None:
         if type(child) is not kind:
             return None
         value = child.array
-        if getattr(value, "dtype", None) != _F32 or isinstance(value, jax.core.Tracer):
+        # (None: a filter's placeholder, as in the static half of `eqx.partition`, which
+        # `eqx.filter_jit` flattens and rebuilds on every call.)
+        if value is not None and (getattr(value, "dtype", None) != _F32 or isinstance(value, jax.core.Tracer)):
             return None
         values.append(value)
     return tuple(values)
