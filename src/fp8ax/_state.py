@@ -144,9 +144,15 @@ class AbstractState:
             # What a training loop's model holds, step after step: the children this
             # class flattens to, with concrete float32 arrays. They are kept as they
             # are, as the values and as the children of the next flatten.
-            # (Their axes are read from them when needed: `_axes_of`.)
+            # (Their axes are read from them when needed: `_axes_of`. This runs two or
+            # three times per state per call of a jitted step, so it sets the slots
+            # directly.)
             state = object.__new__(cls)
-            state._assign(kept, kept, _FROM_KIDS, label, tuple(children))
+            _VALUES(state, kept)
+            _LEAVES(state, kept)
+            _AXES(state, _FROM_KIDS)
+            _LABEL(state, label)
+            _KIDS(state, children if type(children) is tuple else tuple(children))
             return state
         named_array = _haliax.named_array_class()
         if named_array is None:
@@ -233,6 +239,12 @@ class AbstractState:
         return self._with_values(out)
 
 
+# The slots' setters (what `object.__setattr__` finds for each), for `_rebuild`.
+_VALUES, _LEAVES, _AXES, _LABEL, _KIDS = (
+    getattr(AbstractState, name).__set__ for name in ("_values", "_leaves", "_axes", "_label", "_kids")
+)
+
+
 # The invariant that makes reuse merge by max (docs/how-it-works.md, "Why the merge holds
 # behind every boundary"): inside a trace, every use of a state value fans out from one
 # max-form value, and every float32 value that carries the state has exactly one
@@ -271,17 +283,23 @@ def _kept_children(children, count: int) -> tuple | None:
     kind = _haliax.made_state_named_class()  # (None before any state was named: no Haliax import)
     if kind is None or len(children) != count:
         return None
-    values = []
-    for child in children:
+    if count == 1:  # (every built-in state: one array)
+        (child,) = children
         if type(child) is not kind:
             return None
         value = child.array
-        # (None: a filter's placeholder, as in the static half of `eqx.partition`, which
-        # `eqx.filter_jit` flattens and rebuilds on every call.)
-        if value is not None and (getattr(value, "dtype", None) != _F32 or isinstance(value, jax.core.Tracer)):
-            return None
-        values.append(value)
-    return tuple(values)
+        return (value,) if _kept_value(value) else None
+    values = tuple([child.array for child in children if type(child) is kind])
+    return values if len(values) == count and all(_kept_value(v) for v in values) else None
+
+
+def _kept_value(value) -> bool:
+    # A concrete float32 array, or None: a filter's placeholder, as in the static half of
+    # `eqx.partition`, which `eqx.filter_jit` flattens and rebuilds on every call.
+    return value is None or (getattr(value, "dtype", None) == _F32 and not isinstance(value, _TRACER))
+
+
+_TRACER = jax.core.Tracer
 
 
 # `_axes` of a state rebuilt from its kept children: read from them when first needed.
