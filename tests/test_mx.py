@@ -514,3 +514,5 @@ def test_block_scaled_gemm_needs_whole_mxfp8_blocks(getkey, monkeypatch):
     assert calls == [] and not _blackwell_default_device()  # CPU here
     with pytest.raises(TypeError, match="`block_scaled_gemm` must be None, True or False, got 'yes'"):
         fp8ax.GemmSettings(block_scaled_gemm="yes")
+    with pytest.raises(TypeError, match="`block_scaled_gemm` must be None, True or False, got 1"):
+        fp8ax.GemmSettings(block_scaled_gemm=1)  # (equal to True, but not a bool)

@@ -27,9 +27,9 @@ def _check_accumulation(value):
 
 
 def _check_block_scaled(value):
-    if value not in (None, True, False):
+    if value is not None and not isinstance(value, bool | np.bool_):
         raise TypeError(f"`block_scaled_gemm` must be None, True or False, got {value!r}.")
-    return value
+    return None if value is None else bool(value)
 
 
 def _precision(argname: str):
