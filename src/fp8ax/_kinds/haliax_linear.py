@@ -5,7 +5,15 @@ from __future__ import annotations
 import dataclasses
 
 from .. import _haliax
-from .._model import Fp8DotGeneral, LayerKind, axis_names, axis_size, haliax_batch_axes, haliax_batch_shape
+from .._model import (
+    Fp8DotGeneral,
+    LayerKind,
+    axis_names,
+    axis_size,
+    haliax_batch_axes,
+    haliax_batch_shape,
+    stacked_axes_first,
+)
 from .._serving import ServingHaliaxLinear
 
 
@@ -68,14 +76,8 @@ class HaliaxLinearKind(LayerKind):
         if op is None:
             return layer  # a `dot_general` of its own: served as it is
         _haliax.require_haliax_matmul("fp8ax.to_serving")
-        own = axis_names(layer.In) | axis_names(layer.Out)
+        n_batch = len(stacked_axes_first(layer, ("In", "Out"), freeze.path))
         names = [ax.name for ax in layer.weight.axes]
-        n_batch = sum(n not in own for n in names)
-        if any(n not in own for n in names[n_batch:]):
-            raise ValueError(
-                f"Layer `{freeze.path}`: the stacked axes of its weight {layer.weight.axes} must come first (as "
-                "`haliax.nn.Stacked` puts them) for `fp8ax.to_serving`."
-            )
         # The training call multiplies the weight by the reparametrisation's scale first.
         w = (layer.weight * layer.reparam.active_scale).array
         in_names = axis_names(layer.In)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import equinox as eqx
 
 from .. import _haliax
-from .._model import Fp8MoELinear, Fp8RaggedDot, LayerKind, axis_size, haliax_batch_axes
+from .._model import Fp8MoELinear, Fp8RaggedDot, LayerKind, axis_size, haliax_batch_shape, stacked_axes_first
 from .._serving import ServingMoELinear
 
 _OWN = ("Experts", "In", "Out")
@@ -31,7 +31,7 @@ class HaliaxMoEKind(LayerKind):
         return axis_size(layer.In), axis_size(layer.Out)
 
     def stacked_shape(self, layer):
-        return tuple(size for _, size in haliax_batch_axes(layer, _OWN))
+        return haliax_batch_shape(layer, _OWN)
 
     def convert(self, layer, config):
         names = tuple(getattr(layer, a).name for a in _OWN if _haliax.is_axis(getattr(layer, a)))
@@ -48,12 +48,7 @@ class HaliaxMoEKind(LayerKind):
 
     def to_serving(self, layer, freeze):
         own = [layer.Experts, layer.In, layer.Out]
-        batch = [ax for ax in layer.weight.axes if ax.name not in {a.name for a in own}]
-        if list(layer.weight.axes[: len(batch)]) != batch:
-            raise ValueError(
-                f"Layer `{freeze.path}`: the stacked axes of its weight {layer.weight.axes} must come first (as "
-                "`haliax.nn.Stacked` puts them) for `fp8ax.to_serving`."
-            )
+        batch = stacked_axes_first(layer, _OWN, freeze.path)
         w = layer.weight.rearrange((*batch, *own)).array
         stacked = f"the stacked axes {tuple(batch)} and experts {layer.Experts}"
         values, ragged = freeze.grouped(layer.ragged, w, len(batch), stacked)

@@ -14,7 +14,11 @@ This is the one unit besides the `_haliax` door that imports Haliax, at run time
 """
 
 from .advice import advise_gpu_compile as advise_gpu_compile, compiler_options as compiler_options
-from .axes import axis_names as axis_names, haliax_batch_axes as haliax_batch_axes
+from .axes import (
+    axis_names as axis_names,
+    haliax_batch_axes as haliax_batch_axes,
+    stacked_axes_first as stacked_axes_first,
+)
 from .config import Fp8Config as Fp8Config
 from .dot_general import (
     Fp8DotGeneral as Fp8DotGeneral,

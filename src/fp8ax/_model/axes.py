@@ -33,6 +33,22 @@ def haliax_batch_axes(layer, own: tuple[str, ...] = ("In", "Out")) -> tuple[tupl
     return tuple((ax.name, ax.size) for ax in layer.weight.axes if ax.name not in names)
 
 
-def haliax_batch_shape(layer: hnn.Linear) -> tuple[int, ...]:
+def haliax_batch_shape(layer: hnn.Linear, own: tuple[str, ...] = ("In", "Out")) -> tuple[int, ...]:
     """`haliax_batch_axes`' sizes."""
-    return tuple(size for _, size in haliax_batch_axes(layer))
+    return tuple(size for _, size in haliax_batch_axes(layer, own))
+
+
+def stacked_axes_first(layer, own: tuple[str, ...], path: str) -> tuple:
+    """The stacked axes of a Haliax layer's weight (as in `haliax_batch_axes`, the `Axis`
+    objects), checked to come first, as `haliax.nn.Stacked` puts them: what
+    `fp8ax.to_serving` needs to freeze one weight per stacked layer. `path` names the
+    layer in the error."""
+    names = set().union(*(axis_names(getattr(layer, a)) for a in own))
+    axes = tuple(layer.weight.axes)
+    batch = tuple(ax for ax in axes if ax.name not in names)
+    if axes[: len(batch)] != batch:
+        raise ValueError(
+            f"Layer `{path}`: the stacked axes of its weight {layer.weight.axes} must come first (as "
+            "`haliax.nn.Stacked` puts them) for `fp8ax.to_serving`."
+        )
+    return batch

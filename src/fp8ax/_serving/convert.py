@@ -36,12 +36,12 @@ from .._model import (
     is_linear,
     kind_of,
     path_str,
-    serving_kind_of,
 )
 from .._quantized import QuantizedArray
 from .._recipes import AbstractStatefulRecipe, Operand
 from .._state import CORRUPT_STATE
 from .codec import encode, packed_length, storable
+from .layers import is_serving_layer
 from .ops import ServingDotGeneral, ServingRaggedDot
 
 T = TypeVar("T")
@@ -278,7 +278,7 @@ class ServingFreezer:
 
 
 def _is_node(x) -> bool:
-    return is_linear(x) or serving_kind_of(x) is not None
+    return is_linear(x) or is_serving_layer(x)
 
 
 def _convert(model, check: bool):
@@ -288,7 +288,7 @@ def _convert(model, check: bool):
         if not _is_node(node):
             return node
         layer = path_str(path) or "(the model itself)"
-        if serving_kind_of(node) is not None:
+        if is_serving_layer(node):
             raise ValueError(
                 f"Layer `{layer}` is already a serving layer: `fp8ax.to_serving` was called on this model "
                 "before. Convert the training model once; a serving model cannot be converted again."
