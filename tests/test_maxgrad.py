@@ -6,9 +6,11 @@ results work with `jax_debug_nans`/`jax_debug_infs`, and a JAX without the exten
 protocol fails at import with an error that names its version.
 """
 
+import pickle
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import equinox as eqx
 import jax
@@ -288,3 +290,49 @@ def test_conversions_linearise_without_jax_fallback(getkey, monkeypatch):
     )
     with pytest.warns(fp8ax.UnusedLayerWarning, match="`never` is never called"):
         eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m["linearised"])(x)))(pair)
+
+
+def test_layer_names_do_not_enter_the_tree_structure():
+    from fp8ax._state import LayerName
+
+    a, b = LayerName("encoder.0"), LayerName("decoder.3")
+    assert a == b and hash(a) == hash(b) and a != "encoder.0" and a != None  # noqa: E711
+    assert pickle.loads(pickle.dumps(a)).name == "encoder.0" and repr(a) == "'encoder.0'"
+    with pytest.raises(AttributeError):
+        a.name = "x"
+
+
+def test_layers_alike_share_a_jit_and_the_unused_one_is_named(getkey):
+    # A layer's name is static data equal to every other one (`LayerName`), so layers
+    # alike (the same settings and shapes) flatten to one tree structure, and a `jit`
+    # traced for one is reused for the others (as `hax.dot`'s `eqx.filter_jit` is, one per
+    # layer call). The warning about an unused layer cannot rely on the layers' own
+    # traces then: it names the one layer the step leaves out, and no other, from the
+    # cotangents of the views of their states that the jitted calls were given. (Labels
+    # no other test uses: a layer any earlier trace used is not reported.)
+    names = ("alike_used_a", "alike_used_b", "alike_used_c", "alike_left_out")
+    model = fp8ax.fp8_linear_layers({k: eqx.nn.Linear(8, 8, key=getkey()) for k in names})
+    assert len({jax.tree.structure(model[k]) for k in names}) == 1
+    traces = []
+
+    @eqx.filter_jit
+    def apply(layer, x):
+        traces.append(None)
+        return layer(x)
+
+    def loss(m, x):
+        for k in names[:3]:
+            x = apply(m[k], x)
+        return jnp.sum(x)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        grads = eqx.filter_grad(loss)(model, jnp.ones((8,)))
+    assert len(traces) == 1
+    unused = [str(w.message) for w in caught if issubclass(w.category, fp8ax.UnusedLayerWarning)]
+    assert len(unused) == 1 and "`alike_left_out` is never called" in unused[0]
+    # The reused trace writes each layer's own state.
+    overwrite, _ = fp8ax.partition_for_grad_overwrite(grads)
+    amaxes = [float(overwrite[k].dot_general.rhs.amax_history[0]) for k in names[:3]]
+    want = [float(jnp.max(jnp.abs(model[k].weight))) for k in names[:3]]
+    assert amaxes == want

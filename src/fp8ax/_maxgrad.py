@@ -210,31 +210,39 @@ def _conversion(name, dtype, raw):
     # the per-example copies of the state there). The twin is made while the branch is
     # batched, where the rule can be recognised, and refuses only if the step is then
     # differentiated (an FP8 layer in such a branch is fine for inference).
+    #
+    # A conversion may carry a `label` (the layer's name; see `note_view_used`): the
+    # views a differentiated function makes of a layer's state, whose transposes tell
+    # that the layer was used. It changes nothing else.
     prim, refusing = _Primitive(name), _Primitive(name + "_refusing")
     for p in (prim, refusing):
-        p.def_impl(raw)
-        p.def_abstract_eval(lambda aval: aval.update(dtype=dtype, weak_type=False))
-        _mlir.register_lowering(p, _mlir.lower_fun(raw, multiple_results=False))
+        p.def_impl(lambda x, **_: raw(x))
+        p.def_abstract_eval(lambda aval, **_: aval.update(dtype=dtype, weak_type=False))
+        _mlir.register_lowering(p, _mlir.lower_fun(lambda x, **_: raw(x), multiple_results=False))
 
-    def batch(args, dims):
+    def batch(args, dims, **params):
         (x,), (d,) = args, dims
-        return (refusing if _boundaries.in_per_example_cond() else prim).bind(x), d
+        return (refusing if _boundaries.in_per_example_cond() else prim).bind(x, **params), d
 
     _batching.primitive_batchers[prim] = _batching.primitive_batchers[refusing] = batch
     _ad.primitive_jvps[refusing] = _refuse
     return prim
 
 
-def _refuse(*_):
+def _refuse(*_, **__):
     raise ValueError(_boundaries.PER_EXAMPLE_COND)
 
 
 def _transpose(prim_of_ct):
-    def rule(ct, x):
+    def rule(ct, x, *, label=None):
         # The one place besides `_gemm.dense._bwd` that runs while JAX transposes a
         # `shard_map`: where a state rebuilt inside the body is converted.
         if _boundaries.in_unchecked_shard_map_transpose():
             raise ValueError(_boundaries.UNCHECKED_SHARD_MAP)
+        if label is not None:
+            # A view of a layer's state with a cotangent: something the differentiated
+            # function called used the state (JAX transposes only with a nonzero one).
+            _CALLED.add(label)
         return [prim_of_ct().bind(ct)]
 
     return rule
@@ -290,7 +298,8 @@ def _def_linear_linearization(prim, primal=None, on_call=None) -> None:
 
 
 _def_linear_linearization(_to_max_p)
-_def_linear_linearization(_to_f32_p)
+# (A view's label goes to its tangent, which is what JAX transposes.)
+_def_linear_linearization(_to_f32_p, primal=lambda x: _to_f32_p.bind(x))
 
 
 class UnusedLayerWarning(UserWarning):
@@ -319,12 +328,19 @@ def _warn_unused(label: str) -> None:
 # in the backward pass (its cotangent is a zero it never computes), so fp8ax keeps two
 # sets while a step is traced: the labelled states rebuilt from the inputs `jax.grad`
 # differentiates (`watch_use`, whose JVP rule runs for each), and the layers that were
-# called (`note_called`, from the layers' `__call__`, inside `lax.scan`, `lax.cond` and
-# `jax.checkpoint` bodies too). The backward pass starts after the forward pass is traced:
-# at the first transpose of a watched value, every watched layer that was never called
-# gets the warning. All of it runs while the step is traced (its first call): nothing at
-# run time, and the primitive lowers to nothing. A layer that any earlier trace of the
-# process called is not reported: the warning is for a layer no step ever calls.
+# used. A layer is used when its `__call__` runs at the differentiated level
+# (`note_called`), or when a view of its state that the differentiated function handed to
+# a boundary (`hax.dot`'s or any `jit`, `lax.scan`, `lax.cond`, `jax.checkpoint`) gets a
+# cotangent: such a view carries the layer's name (`to_f32`'s `label`), and JAX
+# transposes it only with a nonzero cotangent. The second way holds when the boundary's
+# body was traced for another layer and is reused from JAX's cache, which runs no
+# `__call__`: state names do not enter a pytree's structure (`_state.LayerName`), so
+# layers alike share one trace of `hax.dot`'s `jit`. Those views come after the watched
+# values in the forward pass, so they are transposed before them: at the first transpose
+# of a watched value, every watched layer that was not used gets the warning. All of it
+# runs while the step is traced (its first call): nothing at run time, and the
+# primitives lower to a conversion and to nothing. A layer that any earlier trace of the
+# process used is not reported: the warning is for a layer no step ever calls.
 _WATCHED: set[str] = set()
 _CALLED: set[str] = set()
 
@@ -372,9 +388,11 @@ def to_max(x):
     return _to_max_p.bind(x)
 
 
-def to_f32(x):
-    """MAXF32 -> float32; the cotangent goes back to MAXF32."""
-    return _to_f32_p.bind(x)
+def to_f32(x, label: str | None = None):
+    """MAXF32 -> float32; the cotangent goes back to MAXF32. With `label`, the view of the
+    state of the layer so named that a differentiated function hands to a boundary (see
+    `_state._view`): its transpose records that the layer was used."""
+    return _to_f32_p.bind(x) if label is None else _to_f32_p.bind(x, label=label)
 
 
 def is_max(x) -> bool:

@@ -85,11 +85,11 @@ class AbstractState:
             )
         self._set(values, None)
 
-    def _set(self, values, label: str | None, axes: Any = None) -> None:
+    def _set(self, values, label: "LayerName | None", axes: Any = None) -> None:
         entered = [_enter(v, label) for v in values]
         self._assign(tuple([v for v, _ in entered]), tuple([leaf for _, leaf in entered]), axes, label, None)
 
-    def _assign(self, values: tuple, leaves: tuple, axes: Any, label: str | None, kids: tuple | None) -> None:
+    def _assign(self, values: tuple, leaves: tuple, axes: Any, label: "LayerName | None", kids: tuple | None) -> None:
         # Through the slots' setters (what `object.__setattr__` would find): every unflatten
         # of a model runs this for each state, two or three times per call of a jitted step.
         _VALUES(self, values)
@@ -100,7 +100,7 @@ class AbstractState:
 
     def _leaf(self, i):
         leaf = self._leaves[i]
-        return _view(self._values[i]) if leaf is None else leaf
+        return _view(self._values[i], self._label) if leaf is None else leaf
 
     # Named axes. The state of a Haliax layer flattens to `haliax.NamedArray`s: its
     # stacked-layer dimensions carry the layer's own axis names (`layer` inside
@@ -140,7 +140,7 @@ class AbstractState:
 
     @classmethod
     def _rebuild(cls, label, children) -> Self:
-        # The node's static data is the layer's name (see `_labelled`), or None.
+        # The node's static data is the layer's name (a `LayerName`, see `_labelled`), or None.
         kept = _kept_children(children, len(cls.fields))
         if kept is not None:
             # What a training loop's model holds, step after step: the children this
@@ -178,7 +178,12 @@ class AbstractState:
     def _labelled(self, label: str) -> Self:
         """This state, named `label` (its layer's path, set by the conversion):
         differentiating a step that never calls the layer warns with it."""
-        return type(self)._make(self._values, self._axes_of(), label)
+        return type(self)._make(self._values, self._axes_of(), LayerName(label))
+
+    @property
+    def _name(self) -> str | None:
+        """The name of the state's layer (see `_labelled`), or None."""
+        return None if self._label is None else self._label.name
 
     def _named(self, batch_axes: tuple[tuple[str, int], ...]) -> Self:
         """This state with named axes: `batch_axes` (`(name, size)` pairs) for its stacked
@@ -233,6 +238,40 @@ class AbstractState:
             mask = jnp.reshape(used, (*jnp.shape(used), *(1,) * extra))
             out.append(select(mask, as_f32(new_v), as_f32(old_v)))
         return self._with_values(out)
+
+
+class LayerName:
+    """The name of a state's layer, its pytree node's static data: equal to every other
+    `LayerName`, so it does not enter a pytree's structure.
+
+    Layers alike (the same settings and shapes) then flatten to the same tree structure,
+    and a `jit` traced for one is reused from JAX's cache for the others: Haliax's
+    `hax.dot` runs each layer inside an `eqx.filter_jit` of its own, and a name that
+    compared as itself traced and lowered that `jit` once per layer (on a 48-layer stack,
+    a fifth of the step's trace). The name serves the warning about an unused layer
+    (`_maxgrad.watch_use`), which does not need the layer's own trace of that `jit`. Two
+    models that differ only in their layers' names have the same structure, as two models
+    of the same architecture do."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str):
+        object.__setattr__(self, "name", name)
+
+    def __eq__(self, other) -> bool:
+        return type(other) is LayerName
+
+    def __hash__(self) -> int:
+        return hash(LayerName)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("LayerName is immutable.")
+
+    def __reduce__(self):
+        return LayerName, (self.name,)
+
+    def __repr__(self) -> str:
+        return repr(self.name)
 
 
 # The slots' setters (what `object.__setattr__` finds for each), for `_rebuild`.
@@ -309,7 +348,7 @@ _FROM_KIDS = object()
 _DIFFERENTIATED = ("JVPTracer", "LinearizeTracer")
 
 
-def _enter(x, label: str | None = None):
+def _enter(x, label: "LayerName | None" = None):
     """`(value, leaf)`: the value to compute with, and the float32 leaf to flatten it to
     (None: a fresh view at every flatten)."""
     # Every unflatten of a model goes through here, once per state value: Equinox's
@@ -333,7 +372,7 @@ def _enter(x, label: str | None = None):
         if entry is not None and entry[0]() is x:
             return entry[1], None  # a view of a max-form value, or a tracer converted before
         check_eager_shard_map()
-        value = to_max(x if label is None or type(x).__name__ not in _DIFFERENTIATED else watch_use(x, label))
+        value = to_max(x if label is None or type(x).__name__ not in _DIFFERENTIATED else watch_use(x, label.name))
         _remember(x, value)
         return value, None
     if is_max(x):
@@ -345,12 +384,13 @@ _F32 = np.dtype(np.float32)
 _BF16 = np.dtype(jnp.bfloat16)
 
 
-def _view(x):
-    """A fresh float32 view of a max-form value (a traced state being flattened)."""
+def _view(x, label: "LayerName | None" = None):
+    """A fresh float32 view of a max-form value (a traced state being flattened), named
+    after the state's layer where the value is differentiated (see `to_f32`)."""
     if not is_max(x):
         return x
     check_eager_shard_map()
-    view = to_f32(x)
+    view = to_f32(x, label.name if label is not None and type(x).__name__ in _DIFFERENTIATED else None)
     if isinstance(view, jax.core.Tracer):
         _remember(view, x)
     return view

@@ -232,7 +232,7 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
     def _raw_state(self) -> tuple:
         if self.lhs is None:
             return ()
-        note_called(self.lhs._label)
+        note_called(self.lhs._name)
         raw = []
         for name in ("lhs", "rhs", "grad"):
             state: AbstractState = getattr(self, name)
