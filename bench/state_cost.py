@@ -7,13 +7,14 @@ Each model is trained with the step its library documents, `optax.adam`, under o
 - ``haliax``: ``haliax.quantization.quantize_linear_layers(model, QuantizationConfig(fp8=True))``,
   Haliax's set-up (the optimizer built from ``partition_for_grad_overwrite(model)[1]``,
   Haliax's ``apply_updates``).
-- ``fp8ax``: ``fp8ax.fp8_linear_layers(model)`` (``DelayedScaling()``, the default),
+- ``fp8ax``: ``fp8ax.fp8_linear_layers(model)`` (``DelayedScaling()``, the default recipe;
+  no first-call calibration since run G),
   ``opt = fp8ax.skip_fp8_state(optax.adam(...))`` built from the whole model (the
   documented path).
 - ``fp8ax-bare``: the same model with a bare ``optax.adam`` built from the whole model
   (Equinox's pattern without the wrapper: its moments cover the FP8 state).
-- ``fp8ax-nocal``: ``DelayedScaling(calibrate_first_call=False)``: what first-call
-  calibration costs a settled step.
+- ``fp8ax-cal``: ``DelayedScaling(calibrate_first_call=True)``: what the in-step
+  first-call calibration (the default before run G) costs a settled step.
 - ``fp8ax-current``: ``Fp8Config(recipe=CurrentScaling())``: no state, the same step.
 
 Models (Haliax linear layers, float32; on the CPU FP8 is emulated, so only ratios and
@@ -70,7 +71,7 @@ import optax
 import _harness
 import fp8ax
 
-VARIANTS = ("plain", "haliax", "fp8ax", "fp8ax-bare", "fp8ax-nocal", "fp8ax-current")
+VARIANTS = ("plain", "haliax", "fp8ax", "fp8ax-bare", "fp8ax-cal", "fp8ax-current")
 MODELS = ("mlp", "stack16", "decoder", "depth1", "depth4")
 NOT_KERNELS = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "opt-barrier", "after-all"}
 
@@ -194,7 +195,7 @@ def variant(model, name: str):
     else:
         recipe = {
             "fp8ax-current": fp8ax.CurrentScaling(),
-            "fp8ax-nocal": fp8ax.DelayedScaling(calibrate_first_call=False),
+            "fp8ax-cal": fp8ax.DelayedScaling(calibrate_first_call=True),
         }.get(name, fp8ax.DelayedScaling())
         config = fp8ax.Fp8Config(recipe=recipe)
         model = fp8ax.fp8_linear_layers(model, config)

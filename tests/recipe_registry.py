@@ -147,9 +147,9 @@ class Entry:
 # entry's. Training tolerances: 10% of the bf16 loss for 8-bit formats; MXFP4
 # rounds every operand by up to 1/6 relative (measured +24%): 35%.
 REGISTRY: dict[str, Entry] = {
-    "delayed": Entry(fp8ax.DelayedScaling(), delayed_first_call_reference(), 0.1, 25, 22),
+    "delayed": Entry(fp8ax.DelayedScaling(calibrate_first_call=True), delayed_first_call_reference(), 0.1, 25, 22),
     "delayed-margin-recent": Entry(
-        fp8ax.DelayedScaling(history_length=4, margin=1, amax_compute_algo="most_recent"),
+        fp8ax.DelayedScaling(history_length=4, margin=1, amax_compute_algo="most_recent", calibrate_first_call=True),
         delayed_first_call_reference(margin=1),
         0.1,
         25,

@@ -60,7 +60,7 @@ def test_dry_pass_and_the_bars(dry_run):
         # and at most current scaling's plus what its history needs.
         assert fp8ax["kernels_added_per_layer"] <= haliax["kernels_added_per_layer"], (name, row)
         assert fp8ax["kernels_added_per_layer"] <= current["kernels_added_per_layer"] + 12, (name, row)
-        for v in ("plain", "haliax", "fp8ax", "fp8ax-bare", "fp8ax-nocal", "fp8ax-current"):
+        for v in ("plain", "haliax", "fp8ax", "fp8ax-bare", "fp8ax-cal", "fp8ax-current"):
             r = row[v]
             assert r["lower_s"] > 0 and r["compile_s"] > 0, (name, v)
             assert r["first_step_s"] == pytest.approx(r["lower_s"] + r["compile_s"], rel=1e-9), (name, v)

@@ -78,13 +78,14 @@ def test_calibrated_state_is_the_first_training_steps(getkey):
 
 
 def test_one_program_without_conditional_and_its_cost(getkey):
-    # The default step is one program, the first step's included: no conditional, and a
-    # cast picks its scale with a `select` on "history empty", so every FP8 cast depends on
-    # its tensor's amax (what `calibrate_first_call` costs, as current scaling does).
-    # `calibrate_first_call=False` casts with the state's scale alone. With the same filled
-    # state both give the same loss and new state bit for bit, and parameter gradients to
-    # float32 rounding (XLA fuses the two programs differently and may sum the bias
-    # gradient in another order: measured differences of 1 ulp).
+    # A step is one program, the first step's included: no conditional. With the default
+    # recipe (no first-call calibration) every cast takes its scale from the state alone.
+    # With `calibrate_first_call=True` a cast picks its scale with a `select` on "history
+    # empty", so every FP8 cast depends on its tensor's amax, filled state or not (what the
+    # in-step calibration costs every step, as current scaling does). With the same
+    # filled state both give the same loss and new state bit for bit, and parameter
+    # gradients to float32 rounding (XLA fuses the two programs differently and may sum the
+    # bias gradient in another order: measured differences of 1 ulp).
     mlp = eqx.nn.MLP(8, 4, 16, 2, key=getkey())
     x = jax.random.normal(getkey(), (32, 8))
 
@@ -94,23 +95,25 @@ def test_one_program_without_conditional_and_its_cost(getkey):
     default = fp8ax.fp8_linear_layers(mlp)
     for model in (default, fp8ax.calibrate(default, loss, [x])):
         walk = _walk_step(model, x)
-        assert walk.branches == [] and len(walk.converts) == 9 and all(walk.converts)
-    config = fp8ax.Fp8Config(recipe=fp8ax.DelayedScaling(calibrate_first_call=False))
-    plain_delayed = fp8ax.fp8_linear_layers(mlp, config)
-    walk = _walk_step(plain_delayed, x)
-    assert walk.branches == [] and len(walk.converts) == 9 and not any(walk.converts)
+        assert walk.branches == [] and len(walk.converts) == 9 and not any(walk.converts)
+    config = fp8ax.Fp8Config(recipe=fp8ax.DelayedScaling(calibrate_first_call=True))
+    in_step = fp8ax.fp8_linear_layers(mlp, config)
+    walk = _walk_step(in_step, x)
+    assert walk.branches == [] and len(walk.converts) == 9 and all(walk.converts)
 
-    calibrated = fp8ax.calibrate(default, loss, [x])
+    calibrated = fp8ax.calibrate(in_step, loss, [x])
     same_state = jax.tree.map(
         lambda d, c: (
             eqx.tree_at(lambda m: (m.lhs, m.rhs, m.grad), d, (c.lhs, c.rhs, c.grad))
             if isinstance(d, fp8ax.Fp8DotGeneral)
             else d
         ),
-        plain_delayed,
+        default,
         calibrated,
         is_leaf=lambda v: isinstance(v, fp8ax.Fp8DotGeneral),
     )
+    walk = _walk_step(calibrated, x)
+    assert all(walk.converts)  # a filled state too: the select stays in the program
     vg = eqx.filter_jit(eqx.filter_value_and_grad(loss))
     (l1, g1), (l2, g2) = vg(calibrated, x), vg(same_state, x)
     assert float(l1) == float(l2)

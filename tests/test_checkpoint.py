@@ -230,7 +230,7 @@ def test_haliax_quantization_adds_state_dict_keys(getkey):
 
 @pytest.mark.parametrize("kind", [pytest.param("haliax", marks=pytest.mark.needs_hax_dot), "equinox"])
 def test_plain_checkpoint_loads_into_converted_model(kind, getkey, tmp_path):
-    config = fp8ax.Fp8Config(recipe=fp8ax.DelayedScaling(history_length=16))
+    config = fp8ax.Fp8Config(recipe=fp8ax.DelayedScaling(history_length=16, calibrate_first_call=True))
     make, loss, data = {
         "haliax": lambda: (HaliaxMLP.init, mse, _haliax_data(getkey)),
         "equinox": lambda: (_eqx_mlp, _eqx_mse, _eqx_data(getkey)),

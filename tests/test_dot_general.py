@@ -17,6 +17,11 @@ from helpers import sqnr
 DIMS = (((1,), (0,)), ((), ()))
 
 
+# Delayed scaling with the in-step first-call calibration (every scale of a fresh layer's
+# first call is amax / fp8_max), for the tests that replay it by hand.
+CALIBRATING = fp8ax.DelayedScaling(calibrate_first_call=True)
+
+
 def _data(getkey, m=64, k=128, n=32, dtype=jnp.float32):
     x = jax.random.normal(getkey(), (m, k), jnp.float32).astype(dtype)
     w = jax.random.normal(getkey(), (k, n), jnp.float32).astype(dtype)
@@ -93,7 +98,7 @@ def test_gradients_for_any_dimension_numbers(lshape, rshape, dims, getkey):
     w = jax.random.normal(getkey(), rshape, jnp.float32)
     y0 = jax.lax.dot_general(x, w, dims)
     gy = jax.random.normal(getkey(), y0.shape, jnp.float32)
-    y, dx, dw = _fwd_and_grads(fp8ax.Fp8DotGeneral.init(), x, w, gy, dims)
+    y, dx, dw = _fwd_and_grads(fp8ax.Fp8DotGeneral.init(CALIBRATING), x, w, gy, dims)
 
     xq = _q64(x, ml_dtypes.float8_e4m3fn, 448.0)
     wq = _q64(w, ml_dtypes.float8_e4m3fn, 448.0)
@@ -175,10 +180,11 @@ def test_first_call_calibration_does_not_clip():
     # up to the float32 rounding of the scales.
     x = jnp.full((4, 8), 1000.0, jnp.float32)
     w = jnp.ones((8, 3), jnp.float32)
-    y_cal = fp8ax.Fp8DotGeneral.init()(x, w, DIMS)
+    y_cal = fp8ax.Fp8DotGeneral.init(CALIBRATING)(x, w, DIMS)
     np.testing.assert_allclose(np.asarray(y_cal), 8000.0, rtol=1e-6)
-    # Without calibration the first step uses scale 1 and clips 1000 to 448 (Haliax/Flax).
-    y_raw = fp8ax.Fp8DotGeneral.init(fp8ax.DelayedScaling(calibrate_first_call=False))(x, w, DIMS)
+    # Without it (the default) the first step uses scale 1 and clips 1000 to 448, as
+    # Haliax and Flax do.
+    y_raw = fp8ax.Fp8DotGeneral.init()(x, w, DIMS)
     np.testing.assert_array_equal(np.asarray(y_raw), 8 * 448.0)
 
 
@@ -225,7 +231,7 @@ def test_uncalibrated_first_step_equals_haliax(getkey):
 
 def test_jit_grad_value_and_grad_checkpoint(getkey):
     x, w, gy = _data(getkey)
-    dg = fp8ax.Fp8DotGeneral.init()
+    dg = fp8ax.Fp8DotGeneral.init(CALIBRATING)
 
     def loss(dg, x, w):
         return jnp.sum(dg(x, w, DIMS) * gy)

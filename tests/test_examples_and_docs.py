@@ -45,10 +45,14 @@ def test_there_are_examples():
 
 
 # The examples and the docs' blocks follow the documented path: an optimizer that never
-# sees the FP8 state (`fp8ax.skip_fp8_state`). `fp8ax.apply_updates` warns when it does;
-# here that is an error. (A `-W` option or PYTHONWARNINGS cannot name fp8ax's warning:
+# sees the FP8 state (`fp8ax.skip_fp8_state`), given gradients the new state was split off
+# from. `fp8ax.apply_updates` warns when the optimizer sees the state, `skip_fp8_state`
+# when the new state was left in the gradients; here both are errors. (A `-W` option or PYTHONWARNINGS cannot name fp8ax's warning:
 # Python reads them before the site packages, fp8ax among them, can be imported.)
-DOCUMENTED_PATH = "import warnings, fp8ax; warnings.simplefilter('error', fp8ax.OptimizerStateWarning)"
+DOCUMENTED_PATH = (
+    "import warnings, fp8ax; warnings.simplefilter('error', fp8ax.OptimizerStateWarning); "
+    "warnings.simplefilter('error', fp8ax.StateNotWrittenWarning)"
+)
 # `python path args` after that: the script's folder first on sys.path, as Python puts it.
 AS_A_SCRIPT = (
     "import os, runpy, sys; sys.argv = sys.argv[1:]; sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0]))); "

@@ -350,15 +350,15 @@ def test_direct_gemm_writes_a_16_bit_layer_dtype():
 
 
 def test_direct_bf16_output_against_a_replay():
-    # Independent replay with ml_dtypes: fresh state, so each operand's scale is
-    # amax / 448 (E4M3, current scaling on the first call); the values are x / scale cast
+    # Independent replay with ml_dtypes: fresh state with the first-call calibration, so
+    # each operand's scale is amax / 448 (E4M3, current scaling on the first call); the values are x / scale cast
     # to E4M3; the product is accumulated exactly (float64), rounded to bf16, multiplied
     # by bf16(scale_x * scale_w) and rounded again. XLA accumulates in float32, in its own
     # order, so the result may round the other way: at most 1 bf16 ulp (2**-7 relative).
     import ml_dtypes
     import numpy as np
 
-    dg = fp8ax.Fp8DotGeneral.init(mode="direct")
+    dg = fp8ax.Fp8DotGeneral.init(fp8ax.DelayedScaling(calibrate_first_call=True), mode="direct")
     k = jax.random.split(jax.random.key(2), 2)
     x = (3 * jax.random.normal(k[0], (16, 512))).astype(jnp.bfloat16)
     w = jax.random.normal(k[1], (512, 24)).astype(jnp.bfloat16)

@@ -188,7 +188,7 @@ def _member(tree, i):
 
 def test_filter_vmap_ensemble_matches_members_run_alone(getkey):
     n, lr = 3, 0.1
-    config = fp8ax.Fp8Config(recipe=fp8ax.DelayedScaling(history_length=8))
+    config = fp8ax.Fp8Config(recipe=fp8ax.DelayedScaling(history_length=8, calibrate_first_call=True))
     keys = jax.random.split(getkey(), n)
     ens = eqx.filter_vmap(lambda k: eqx.nn.MLP(8, 4, width_size=16, depth=1, key=k))(keys)
     ens = fp8ax.fp8_linear_layers(ens, config)

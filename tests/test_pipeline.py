@@ -23,10 +23,10 @@ def _model(getkey, recipe=None):
 
 
 def test_delayed_scaling_casts_do_not_wait_for_their_amax(getkey):
-    """Without first-call calibration no FP8 cast in the step depends on any tensor's
-    amax, fresh or filled: each tensor is quantized with the scale its state gives, and
-    its amax (for the next state) is computed beside the cast."""
-    fresh = _model(getkey, fp8ax.DelayedScaling(calibrate_first_call=False))
+    """With the default recipe (no first-call calibration) no FP8 cast in the step
+    depends on any tensor's amax, fresh or filled: each tensor is quantized with the scale
+    its state gives, and its amax (for the next state) is computed beside the cast."""
+    fresh = _model(getkey)
     x = jax.random.normal(getkey(), (32, 8))
     for model in (fresh, eqx.filter_jit(train_step)(fresh, x)):
         walk = _walk_step(model, x)
@@ -38,10 +38,10 @@ def test_delayed_scaling_casts_do_not_wait_for_their_amax(getkey):
 
 
 def test_first_call_calibration_is_one_program_whose_casts_wait(getkey):
-    # The same walk finds the dependence where it exists: with `calibrate_first_call` (the
-    # default) each scale is a `select` between the tensor's own amax and its history,
-    # on a fresh model and after the first step alike (one program, no conditional).
-    fresh = _model(getkey)
+    # The same walk finds the dependence where it exists: with `calibrate_first_call=True`
+    # each scale is a `select` between the tensor's own amax and its history, on a fresh
+    # model and after the first step alike (one program, no conditional).
+    fresh = _model(getkey, fp8ax.DelayedScaling(calibrate_first_call=True))
     x = jax.random.normal(getkey(), (32, 8))
     for model in (fresh, eqx.filter_jit(train_step)(fresh, x)):
         walk = _walk_step(model, x)

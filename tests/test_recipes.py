@@ -24,7 +24,7 @@ def test_float_margin_equal_to_an_integer_is_accepted():
 
 def test_defaults():
     r = fp8ax.DelayedScaling()
-    assert (r.history_length, r.margin, r.amax_compute_algo, r.calibrate_first_call) == (1024, 0, "max", True)
+    assert (r.history_length, r.margin, r.amax_compute_algo, r.calibrate_first_call) == (1024, 0, "max", False)
     assert r.fwd_dtype == np.dtype(jnp.float8_e4m3fn) and r.grad_dtype == np.dtype(jnp.float8_e5m2)
 
 
@@ -160,7 +160,7 @@ def test_hand_replay_when_some_histories_are_empty(empty, getkey):
 def test_operands_quantized_together_match_one_by_one(getkey):
     # `quantize_operands` (one decision for the call) against `quantize_operand` of each
     # operand alone, with one filled history and one empty.
-    recipe = fp8ax.DelayedScaling(history_length=4)
+    recipe = fp8ax.DelayedScaling(history_length=4, calibrate_first_call=True)
     xs = [jax.random.normal(getkey(), (3, 4)) * 900.0, jax.random.normal(getkey(), (4, 5))]
     states = [
         (jnp.float32(0.5), jnp.asarray([3.0, 1.0, 0.0, 0.0], jnp.float32)),
@@ -296,7 +296,7 @@ def test_scales_planned_together_are_each_states_own(algo, margin, getkey):
         assert np.asarray(q.scale) == want
     # With the first-call calibration, or without the formats, nothing is planned.
     assert recipe.planned_scale(recipe.plan(states[:1])[0]) is None
-    first_call = fp8ax.DelayedScaling(history_length=4)
+    first_call = fp8ax.DelayedScaling(history_length=4, calibrate_first_call=True)
     assert first_call.planned_scale(first_call.plan(states[:1], dtypes[:1])[0]) is None
     with pytest.raises(ValueError, match=r"`dtypes` must give one format per state \(2\), got 1"):
         recipe.plan(states[:2], dtypes[:1])

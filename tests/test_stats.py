@@ -82,7 +82,8 @@ def test_output_gradient_fractions_against_numpy(getkey, microbatches):
     # step differentiates each microbatch's mean loss (`average=True`): the output
     # gradients are `microbatches` times larger than the history saw, and saturate E5M2.
     n, k = 32, microbatches
-    model = fp8ax.fp8_linear_layers(eqx.nn.MLP(8, 4, 16, 1, key=getkey()))
+    calibrating = fp8ax.Fp8Config(recipe=fp8ax.DelayedScaling(calibrate_first_call=True))
+    model = fp8ax.fp8_linear_layers(eqx.nn.MLP(8, 4, 16, 1, key=getkey()), calibrating)
     x, y = jax.random.normal(getkey(), (n, 8)), jax.random.normal(getkey(), (n, 4))
 
     def loss(m, x, y):

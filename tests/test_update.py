@@ -722,3 +722,45 @@ def test_an_optimizer_that_keeps_state_for_the_fp8_state_is_named_once(getkey, m
     with warnings.catch_warnings():
         warnings.simplefilter("error", fp8ax.OptimizerStateWarning)
         step(optax.sgd(1e-3, momentum=0.9))  # once per process
+
+
+def test_gradients_that_still_hold_the_new_state_are_named_once(getkey, monkeypatch):
+    # Equinox's plain step with `skip_fp8_state` and `eqx.apply_updates`: nothing splits
+    # the new FP8 state off, so nothing writes it, and every step would cast with the
+    # initial scales. The optimizer's `update` says so once per process, with the fix,
+    # while the step is traced. Gradients split by `partition_for_grad_overwrite` (NumPy
+    # zeros in the state's place) or by Haliax's partition (None there) say nothing.
+    import fp8ax._update as update
+
+    monkeypatch.setattr(update, "_WARNED_UNWRITTEN", [])
+    model = fp8ax.fp8_linear_layers(eqx.nn.MLP(8, 4, 16, 1, key=getkey()))
+    x = jax.random.normal(getkey(), (32, 8))
+
+    def loss(m):
+        return jnp.mean(jax.vmap(m)(x) ** 2)
+
+    opt = fp8ax.skip_fp8_state(optax.adam(1e-3))
+    opt_state = opt.init(eqx.filter(model, eqx.is_array))
+    grads = eqx.filter_grad(loss)(model)
+    is_op = lambda v: isinstance(v, fp8ax.Fp8DotGeneral)  # noqa: E731
+    with warnings.catch_warnings(), jax.numpy_dtype_promotion("standard"):
+        warnings.simplefilter("error", fp8ax.StateNotWrittenWarning)
+        opt.update(fp8ax.partition_for_grad_overwrite(grads)[1], opt_state, params=model)
+        opt.update(eqx.partition(grads, is_op, is_leaf=is_op)[1], opt_state, params=model)
+
+    @eqx.filter_jit
+    def plain_step(model, opt_state):
+        updates, opt_state = opt.update(eqx.filter_grad(loss)(model), opt_state, params=model)
+        return eqx.apply_updates(model, updates), opt_state
+
+    with jax.numpy_dtype_promotion("standard"):
+        with pytest.warns(
+            fp8ax.StateNotWrittenWarning,
+            match=r"new FP8 state of 2 layers \(\.layers\[0\]\.dot_general, \.layers\[1\]\.dot_general\).*"
+            r"partition_for_grad_overwrite",
+        ):
+            new, _ = plain_step(model, opt_state)
+        assert float(new.layers[0].dot_general.lhs.amax_history[0]) == 0  # indeed not written
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", fp8ax.StateNotWrittenWarning)
+            opt.update(grads, opt_state, params=model)  # once per process

@@ -6,6 +6,7 @@ from importlib.metadata import version as _version
 from ._model import fp8_linear_layers as fp8_linear_layers, strip_fp8 as strip_fp8
 from ._update import (
     OptimizerStateWarning as OptimizerStateWarning,
+    StateNotWrittenWarning as StateNotWrittenWarning,
     apply_updates as apply_updates,
     check_state as check_state,
     partition_for_grad_overwrite as partition_for_grad_overwrite,

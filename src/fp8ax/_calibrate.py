@@ -21,11 +21,12 @@ def calibrate(model: T, loss_fn: Callable[..., Any], batches: Iterable[Any]) -> 
     For each batch it runs `eqx.filter_grad(loss_fn)(model, *batch)` under
     `eqx.filter_jit` and writes the new FP8 state only (as
     [`fp8ax.apply_updates`][]`(model, None, overwrite)`); the parameter gradients are
-    discarded. Training does not need it (a fresh layer's first step calibrates on its
-    own tensors, in the same program as every later step); it serves post-training
-    quantization ([`fp8ax.to_serving`][] needs filled histories), and a first training
-    step that should already use delayed scales. Layers the batches did not reach keep
-    their state.
+    discarded. Run before training, it gives the first training step delayed scales
+    from real amaxes (a fresh layer's first step otherwise uses scale 1, with the
+    default `DelayedScaling(calibrate_first_call=False)`), in a program of its own, so
+    the training step carries no cost of it; it also serves post-training quantization
+    ([`fp8ax.to_serving`][] needs filled histories). Layers the batches did not reach
+    keep their state.
 
     **Arguments:**
 

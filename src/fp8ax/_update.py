@@ -23,6 +23,46 @@ class OptimizerStateWarning(UserWarning):
 _WARNED_OPTIMIZER: list[bool] = []  # (once per process)
 
 
+class StateNotWrittenWarning(UserWarning):
+    """A training step gave [`fp8ax.skip_fp8_state`][]'s optimizer the gradients with the
+    FP8 layers' new state still in them: nothing split it off
+    ([`fp8ax.partition_for_grad_overwrite`][]), so nothing writes it back
+    ([`fp8ax.apply_updates`][]), and every step then casts with the state the model
+    started with (a fresh model's: scale 1, which clips activations above 448 and flushes
+    small gradients to zero). Raised once per process, while the optimizer's `update` is
+    traced (or first called)."""
+
+
+_WARNED_UNWRITTEN: list[bool] = []  # (once per process)
+
+
+def _warn_unwritten(updates) -> None:
+    """Warns (`StateNotWrittenWarning`) if `updates` holds an FP8 module's new state:
+    JAX arrays, where `partition_for_grad_overwrite` leaves NumPy zeros and Haliax's
+    partition leaves None."""
+    if _WARNED_UNWRITTEN:
+        return
+    held = [
+        jtu.keystr(path)
+        for path, m in jtu.tree_leaves_with_path(updates, is_leaf=is_owg)
+        if is_owg(m) and any(isinstance(v, jax.Array) for v in jtu.tree_leaves(m))
+    ]
+    if not held:
+        return
+    _WARNED_UNWRITTEN.append(True)
+    warnings.warn(
+        f"fp8ax: the gradients given to the optimizer hold the new FP8 state of {len(held)} layers "
+        f"({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): nothing split it off, so nothing writes it "
+        "back, and every step casts with the state the model started with (a fresh model's: scale 1, which "
+        "clips activations above 448 and flushes small gradients to zero). Split it off before the optimizer "
+        "and write it with the updates: `overwrite, grads = fp8ax.partition_for_grad_overwrite(grads)`, "
+        "`opt.update(grads, ...)`, `model = fp8ax.apply_updates(model, updates, overwrite)`. "
+        "(Raised once per process.)",
+        StateNotWrittenWarning,
+        stacklevel=3,
+    )
+
+
 def _warn_optimizer(arrays: list) -> None:
     """`arrays`: the optimizer's updates of FP8 state seen by one `apply_updates`."""
     if _WARNED_OPTIMIZER or not arrays:
@@ -77,7 +117,9 @@ def partition_for_grad_overwrite(tree: T) -> tuple[T, T]:
 
     Without the wrapper, the optimizer keeps moments for the FP8 state, all zero, and
     updates them every step; [`fp8ax.apply_updates`][] then warns once
-    ([`fp8ax.OptimizerStateWarning`][]).
+    ([`fp8ax.OptimizerStateWarning`][]). Given gradients that still hold the new FP8
+    state (nothing split it off, so nothing will write it), the wrapper's `update`
+    warns once ([`fp8ax.StateNotWrittenWarning`][]).
     """
     overwrite = jtu.tree_map(lambda x: x if is_owg(x) else None, tree, is_leaf=is_owg)
     rest = jtu.tree_map(lambda x: _untrained(x) if is_owg(x) else x, tree, is_leaf=is_owg)
@@ -313,6 +355,7 @@ def skip_fp8_state(optimizer: optax.GradientTransformation) -> optax.GradientTra
         return optimizer.init(parameters(params))
 
     def update_fn(updates, state, params=None, **extra):
+        _warn_unwritten(updates)
         return optimizer.update(parameters(updates), state, parameters(params), **extra)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
