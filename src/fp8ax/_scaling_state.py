@@ -106,7 +106,11 @@ class ScalingState(AbstractState):
         # A call that observed nothing reports unit 0, and so does the zero cotangent of
         # an unused layer; a call's new state has unit 1 (or 1/k after a loop divided
         # every gradient by k).
-        return as_f32(self._values[0])[..., UNIT] > 0
+        data = as_f32(self._values[0])
+        if isinstance(data, np.ndarray):
+            return data[..., UNIT] > 0
+        # (`lax` rather than indexing: `apply_updates` traces this for every state.)
+        return lax.gt(lax.index_in_dim(data, UNIT, axis=data.ndim - 1, keepdims=False), np.float32(0))
 
 
 def pack_state(unit: Any, scale: Any, history: Any) -> Any:

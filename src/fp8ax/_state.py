@@ -235,8 +235,10 @@ class AbstractState:
         used = new.written()
         out = []
         for old_v, new_v, extra in zip(self._values, new._values, self.entry_ndims):
-            mask = jnp.reshape(used, (*jnp.shape(used), *(1,) * extra))
-            out.append(select(mask, as_f32(new_v), as_f32(old_v)))
+            new_v, old_v = as_f32(new_v), as_f32(old_v)
+            # (`lax` rather than `jnp`: `apply_updates` traces this for every state.)
+            mask = lax.broadcast_in_dim(used, np.shape(new_v), tuple(range(np.ndim(used))))
+            out.append(select(mask, new_v, old_v))
         return self._with_values(out)
 
 

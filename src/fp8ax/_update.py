@@ -7,7 +7,7 @@ import jax.tree_util as jtu
 import numpy as np
 import optax
 
-from ._state import is_owg
+from ._state import AbstractState, is_owg
 
 T = TypeVar("T")
 
@@ -132,7 +132,15 @@ def _untrained(module):
     of the program: what a stateless update makes of them (`-lr * g`) stays NumPy, while
     an optimizer that keeps moments for the state gives JAX arrays, which is how
     `apply_updates` tells the two apart (`OptimizerStateWarning`)."""
-    return jtu.tree_map(lambda v: np.zeros(np.shape(v), v.dtype) if eqx.is_array(v) else None, module)
+
+    def zeros(v):
+        if isinstance(v, AbstractState):
+            # Built from the state's own values: flattening it inside a trace would make a
+            # float32 view of each, for nothing (see `_state._view`).
+            return v._with_values(tuple(np.zeros(np.shape(x), np.float32) for x in v._raw()))
+        return np.zeros(np.shape(v), v.dtype) if eqx.is_array(v) else None
+
+    return jtu.tree_map(zeros, module, is_leaf=lambda v: isinstance(v, AbstractState))
 
 
 def apply_updates(model: T, updates: T | None, overwrite: T | None) -> T:
