@@ -37,7 +37,8 @@ step's time (trace + lower + compile after ``jax.clear_caches()``, the best of
 apart; the step time (median over interleaved rounds) and the host time a
 call of the jitted step takes: flattening the model and optimizer state in, the cache
 lookup and the dispatch, and rebuilding both out (`host_us`; it matters most on ``stack16``, whose compute
-is negligible). ``--target h100`` compiles the same steps for an H100 without one (the
+is negligible); and the same call without the rebuilding, what ``eqx.filter_jit`` spends before the
+program runs (`dispatch_us`). ``--target h100`` compiles the same steps for an H100 without one (the
 CUDA plugin is needed: ``pip install "jax[cuda12]"``) and reports kernels only.
 
 Run::
@@ -280,6 +281,21 @@ def host_us(model, opt_state, x, y, rounds: int) -> float:
     return statistics.median(ts)
 
 
+def dispatch_us(model, opt_state, x, y, rounds: int) -> float:
+    """The time `eqx.filter_jit` spends before the program runs, in seconds: the median
+    time of a call of an `eqx.filter_jit` function of the step's arguments that computes
+    nothing and returns nothing: flattening the model and optimizer state in, the cache
+    lookup and the dispatch (what `host_us` measures, without rebuilding the outputs)."""
+    nothing = eqx.filter_jit(lambda data, model, opt_state: None)
+    jax.block_until_ready(nothing((x, y), model, opt_state))
+    ts = []
+    for _ in range(max(rounds, 5)):
+        t0 = time.perf_counter()
+        jax.block_until_ready(nothing((x, y), model, opt_state))
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
 def first_step_s(step, args, reps: int, lower_for=None) -> tuple[float, float, float, str]:
     """The best of `reps` first steps, each after `jax.clear_caches()`: its time (trace +
     lower + compile), that run's trace + lower and compile times apart, and the optimized
@@ -343,6 +359,7 @@ def run(args) -> dict[str, Any]:
             for v in built:
                 row[v]["step_ms"] = 1e3 * statistics.median(times[v])
                 row[v]["host_us"] = 1e6 * host_us(*state[v], x, y, args.rounds)
+                row[v]["dispatch_us"] = 1e6 * dispatch_us(*state[v], x, y, args.rounds)
         if "plain" in row:
             for v in args.variants:
                 if v != "plain":
@@ -358,7 +375,7 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"{mname} ({row['converted_layers']} converted layers)")
         lines.append(
             f"  {'variant':14} {'leaves':>7} {'kernels':>8} {'+/layer':>8} {'first s':>8} {'lower s':>8} "
-            f"{'comp. s':>8} {'step ms':>8} {'host us':>8}"
+            f"{'comp. s':>8} {'step ms':>8} {'host us':>8} {'disp. us':>8}"
         )
         for v, r in row.items():
             if not isinstance(r, dict):
@@ -367,7 +384,8 @@ def table(results: dict[str, Any]) -> str:
             lines.append(
                 f"  {v:14} {r['leaves']:7d} {r['kernels']:8d} {'' if added is None else f'{added:+.1f}':>8} "
                 f"{r['first_step_s']:8.2f} {r['lower_s']:8.2f} {r['compile_s']:8.2f} "
-                f"{r.get('step_ms', float('nan')):8.2f} {r.get('host_us', float('nan')):8.0f}"
+                f"{r.get('step_ms', float('nan')):8.2f} {r.get('host_us', float('nan')):8.0f} "
+                f"{r.get('dispatch_us', float('nan')):8.0f}"
             )
     return "\n".join(lines)
 

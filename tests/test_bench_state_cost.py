@@ -65,7 +65,7 @@ def test_dry_pass_and_the_bars(dry_run):
             assert r["lower_s"] > 0 and r["compile_s"] > 0, (name, v)
             assert r["first_step_s"] == pytest.approx(r["lower_s"] + r["compile_s"], rel=1e-9), (name, v)
             if name == "mlp":  # (the depth series is compiled, not timed)
-                assert row[v]["step_ms"] > 0 and row[v]["host_us"] > 0, (name, v)
+                assert row[v]["step_ms"] > 0 and row[v]["host_us"] > 0 and row[v]["dispatch_us"] > 0, (name, v)
 
 
 HLO = """\
