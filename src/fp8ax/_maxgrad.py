@@ -211,9 +211,10 @@ def _conversion(name, dtype, raw):
     # batched, where the rule can be recognised, and refuses only if the step is then
     # differentiated (an FP8 layer in such a branch is fine for inference).
     #
-    # A conversion may carry a `label` (the layer's name; see `note_view_used`): the
-    # views a differentiated function makes of a layer's state, whose transposes tell
-    # that the layer was used. It changes nothing else.
+    # A conversion may carry a `label` (the layer's name): the views a differentiated
+    # function makes of a layer's state, whose transposes tell that the layer was used
+    # (see "Which layers a differentiated step never calls" below). It changes nothing
+    # else.
     prim, refusing = _Primitive(name), _Primitive(name + "_refusing")
     for p in (prim, refusing):
         p.def_impl(lambda x, **_: raw(x))

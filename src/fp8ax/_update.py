@@ -51,7 +51,8 @@ def _warn_unwritten(updates) -> None:
         return
     _WARNED_UNWRITTEN.append(True)
     warnings.warn(
-        f"fp8ax: the gradients given to the optimizer hold the new FP8 state of {len(held)} layers "
+        f"fp8ax: the gradients given to the optimizer hold the new FP8 state of {len(held)} "
+        f"layer{'s' if len(held) != 1 else ''} "
         f"({', '.join(held[:3])}{', ...' if len(held) > 3 else ''}): nothing split it off, so nothing writes it "
         "back, and every step casts with the state the model started with (a fresh model's: scale 1, which "
         "clips activations above 448 and flushes small gradients to zero). Split it off before the optimizer "
