@@ -106,10 +106,8 @@ class ScalingState(AbstractState):
         # A call that observed nothing reports unit 0, and so does the zero cotangent of
         # an unused layer; a call's new state has unit 1 (or 1/k after a loop divided
         # every gradient by k).
-        data = as_f32(self._values[0])
-        if isinstance(data, np.ndarray):
-            return data[..., UNIT] > 0
         # (`lax` rather than indexing: `apply_updates` traces this for every state.)
+        data = as_f32(self._values[0])
         return lax.gt(lax.index_in_dim(data, UNIT, axis=data.ndim - 1, keepdims=False), np.float32(0))
 
 

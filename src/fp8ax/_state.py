@@ -350,6 +350,10 @@ _FROM_KIDS = object()
 _DIFFERENTIATED = ("JVPTracer", "LinearizeTracer")
 
 
+def _differentiated(x) -> bool:
+    return type(x).__name__ in _DIFFERENTIATED
+
+
 def _enter(x, label: "LayerName | None" = None):
     """`(value, leaf)`: the value to compute with, and the float32 leaf to flatten it to
     (None: a fresh view at every flatten)."""
@@ -374,7 +378,7 @@ def _enter(x, label: "LayerName | None" = None):
         if entry is not None and entry[0]() is x:
             return entry[1], None  # a view of a max-form value, or a tracer converted before
         check_eager_shard_map()
-        value = to_max(x if label is None or type(x).__name__ not in _DIFFERENTIATED else watch_use(x, label.name))
+        value = to_max(watch_use(x, label.name) if label is not None and _differentiated(x) else x)
         _remember(x, value)
         return value, None
     if is_max(x):
@@ -392,7 +396,7 @@ def _view(x, label: "LayerName | None" = None):
     if not is_max(x):
         return x
     check_eager_shard_map()
-    view = to_f32(x, label.name if label is not None and type(x).__name__ in _DIFFERENTIATED else None)
+    view = to_f32(x, label.name if label is not None and _differentiated(x) else None)
     if isinstance(view, jax.core.Tracer):
         _remember(view, x)
     return view
