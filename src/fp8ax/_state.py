@@ -301,15 +301,46 @@ _VALUES, _LEAVES, _AXES, _LABEL, _KIDS = (
 #   (a cached view, or the tracer the state was rebuilt from) is what broke the merge
 #   behind boundaries: two consumers of one float32 value, summed.
 #
-# The table is keyed by `id` and its entries go when the float32 tracer is garbage
-# collected. A view costs one cheap primitive per state value and flatten; views that
-# only feed a rebuild are dead code, which JAX's and XLA's dead-code elimination drop.
-_SOURCE_OF: dict[int, tuple[weakref.ref, Any]] = {}  # id(float32 tracer) -> (tracer, max-form value)
+# The table is kept by the trace the float32 tracer belongs to (`_sources`), keyed by
+# `id`, and goes with that trace. A table of the whole process leaked every trace: its
+# entries hold the max-form value, whose trace holds the float32 tracer, so the weak
+# reference to the tracer never died (bench/state_cost.py's 16-block stack kept some
+# 29,000 objects per trace of its step, and Python's collector made full passes over
+# them). A view costs one cheap primitive per state value and flatten; views that only
+# feed a rebuild are dead code, which JAX's and XLA's dead-code elimination drop.
+_SOURCE_OF: dict[int, tuple[weakref.ref, Any]] = {}  # for a trace that keeps no table (see `_sources`)
+
+
+def _sources(tracer) -> dict[int, tuple[weakref.ref, Any]]:
+    """The table of `tracer`'s trace: id(float32 tracer) -> (weak reference to it, its
+    max-form value), kept where it dies with the trace: in the trace's attributes (JVP,
+    linearize, batching traces), else in those of the frame a `jit`-style trace records
+    into (its table of constants, the one object of the frame that takes attributes),
+    else its tag's. A trace that has none of these uses the process's table."""
+    trace = getattr(tracer, "_trace", None)
+    holder = getattr(trace, "__dict__", None)
+    if holder is None:
+        frame = getattr(trace, "frame", None)
+        holder = getattr(getattr(frame, "constid_to_tracer", None), "__dict__", None)
+        if holder is None:
+            holder = getattr(getattr(trace, "tag", None), "__dict__", None)
+            if holder is None:
+                return _SOURCE_OF
+    table = holder.get("_fp8ax_sources")
+    if table is None:
+        table = holder["_fp8ax_sources"] = {}
+    return table
 
 
 def _remember(leaf, value) -> None:
-    key, table = id(leaf), _SOURCE_OF  # the callback may run at exit, after module globals are cleared
-    table[key] = (weakref.ref(leaf, lambda _: table.pop(key, None)), value)
+    table = _sources(leaf)
+    if table is _SOURCE_OF:
+        key = id(leaf)  # (the callback may run at exit, after module globals are cleared)
+        table[key] = (weakref.ref(leaf, lambda _: table.pop(key, None)), value)
+    else:
+        # (A dead tracer's entry stays until its trace goes; its id, reused, fails the
+        # identity check in `_enter`.)
+        table[id(leaf)] = (weakref.ref(leaf), value)
 
 
 def _kept_children(children, count: int) -> tuple | None:
@@ -374,7 +405,7 @@ def _enter(x, label: "LayerName | None" = None):
     if dtype == _F32:
         if not isinstance(x, jax.core.Tracer):
             return x, x
-        entry = _SOURCE_OF.get(id(x))
+        entry = _sources(x).get(id(x))
         if entry is not None and entry[0]() is x:
             return entry[1], None  # a view of a max-form value, or a tracer converted before
         check_eager_shard_map()
