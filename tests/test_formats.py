@@ -235,3 +235,18 @@ def test_computed_once_keeps_a_scalar_chain_out_of_its_readers(shape):
     b = jax.jit(step, static_argnums=2)(state, xs, True)
     for x, y in zip(a, b):
         np.testing.assert_array_equal(np.asarray(x).view(np.uint32), np.asarray(y).view(np.uint32))
+
+
+@pytest.mark.parametrize("count", [1, 3])
+def test_max_min_each_matches_numpy_and_propagates_nan(count):
+    # Delayed scaling reduces a call's histories in one variadic reduction
+    # (`max_min_each`); each result must be that history's own max and min, and a NaN
+    # anywhere in a history must show in both (a corrupt state), as NumPy's do.
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((2, 1024)).astype(np.float32) for _ in range(count)]
+    xs[-1][1, 17] = np.nan
+    got = jax.jit(lambda *a: _formats.max_min_each(list(a)))(*xs)
+    assert len(got) == count
+    for x, (hi, lo) in zip(xs, got):
+        np.testing.assert_array_equal(np.asarray(hi), x.max(axis=-1))  # exact: a max picks an element
+        np.testing.assert_array_equal(np.asarray(lo), x.min(axis=-1))

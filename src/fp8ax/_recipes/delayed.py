@@ -12,15 +12,12 @@ from jaxtyping import Array, Float
 
 from .. import _formats
 from .._boundaries import vma
-from .._maxgrad import as_f32
 from .._quantized import QuantizedArray, ScaleLayout
 from .._scaling_state import (
     ScalingState,
-    pack_state,
     read_state,
     stored_history,
     stored_parts,
-    through_unit,
     unit_inverse,
 )
 from .base import AbstractStatefulRecipe, Operand, as_fwd_dtype, as_grad_dtype, as_operands, no_merge
@@ -82,20 +79,25 @@ class _Plan(NamedTuple):
 
     calibrates: Array | None  # the operand's flag "calibrates" (None without `calibrate_first_call`)
     inv_unit: Array  # `unit_inverse` of the state's unit, which reads the stored values
-    scale: Array  # the scale the state stands for, or 1 where that is 0 or corrupt (`_kept_scale`)
+    scale: Array | None  # the scale the state stands for, or 1 where that is 0 or corrupt (`_kept_scale`;
+    # None where the delayed scale is planned)
     past: Array | None  # the amax the history gives (None where the delayed scale is planned)
     used: Array | None = None  # the delayed scale, from the state alone (planned with the formats
     inv: Array | None = None  # and without the first-call calibration), and its reciprocal
 
 
-def _through_unit(inv, scale, longest, lowest):
-    """The scale and the history's bounds a state stands for, from the stored ones and
-    the `unit_inverse` of its unit (see `through_unit`); a negative or NaN unit reads as
-    a corrupt history (a negative min; no NaN is made, for `jax_debug_nans`). Reading
-    the bounds instead of the history (the max of a history times a positive number is
-    its max times it) keeps the arithmetic on a few scalars."""
-    lowest = _formats.select(lax.ge(inv, np.float32(0)), through_unit(inv, lowest, 0), lax.full_like(lowest, -1))
-    return through_unit(inv, scale, 1), through_unit(inv, longest, 0), lowest
+def _through_unit(inv, scale, longest):
+    """The scale and the history's max a state stands for: the stored ones times the
+    `unit_inverse` of its unit (see `ScalingState`), with no `select` for the units
+    `through_unit` reads apart. A unit of 0 gives 0 for both, which the checks that
+    follow take as a fresh state's ("no amax": the scale kept, and a kept scale that is
+    not positive reads as 1); a negative or NaN unit gives negative or NaN values, which
+    they reject alike. Each `select` is an instruction per operand per layer in the
+    program XLA fuses: on the H100 compile of bench/state_cost.py's 16-block stack,
+    these took 0.3 s of 3.5. Reading the bounds instead of the history (the max of a
+    history times a positive number is its max times it) keeps the arithmetic on a few
+    scalars."""
+    return lax.mul(scale, inv), lax.mul(longest, inv)
 
 
 def _groups(states) -> list[list[int]]:
@@ -245,7 +247,7 @@ class DelayedScaling(AbstractStatefulRecipe):
     def state_history(self, state):
         return read_state(tuple(state))[1]
 
-    def _checked(self, amax, scale, fp8_max, *, kept: bool = False):
+    def _checked(self, amax, scale, fp8_max, *, kept: bool = False, ok=None):
         # One multiply by a float32 constant, `2**margin / fp8_max` rounded once. Flax's
         # `1 / ((fp8_max / amax) / 2**margin)` is the same number mathematically, but XLA
         # simplifies it differently in different programs (inside `lax.scan` or not),
@@ -265,6 +267,8 @@ class DelayedScaling(AbstractStatefulRecipe):
         if not kept:
             scale = _kept_scale(scale)
         usable = _positive_finite(amax)
+        if ok is not None:  # (the caller's own condition for using the amax)
+            usable = lax.bitwise_and(usable, ok)
         if not np.all(factor <= 1):
             # A finite amax times a factor <= 1 cannot overflow; a larger factor can.
             usable = lax.bitwise_and(usable, lax.is_finite(new))
@@ -301,15 +305,19 @@ class DelayedScaling(AbstractStatefulRecipe):
     ) -> tuple[Float[Array, ""], Float[Array, " history"]]:
         """The state after one call that used `scale_used` and observed `amax`. Monotone
         non-decreasing in `amax` for a fixed old state."""
+        _, scale, recorded, kept = self._next(scale_used, amax_history, amax)
+        return scale, lax.concatenate([lax.expand_dims(recorded, (recorded.ndim,)), kept], recorded.ndim)
+
+    def _next(self, scale_used, amax_history, amax):
+        """`next_state` in parts: whether the call observed something, the new scale, the
+        amax recorded and the entries kept from the history (all but the oldest)."""
         # A call that observed nothing usable (an all-zero or non-finite tensor) reports
         # scale 0: "no observation". If no use of the layer observed anything,
         # `apply_updates` keeps the old state untouched; otherwise the max-merge ignores it.
         valid = _positive_finite(amax)
         zero = lax.full_like(amax, 0)
-        recorded = _formats.select(valid, amax, zero)
         kept = lax.slice_in_dim(amax_history, 0, amax_history.shape[-1] - 1, axis=-1)
-        history = lax.concatenate([lax.expand_dims(recorded, (recorded.ndim,)), kept], recorded.ndim)
-        return _formats.select(valid, scale_used, zero), history
+        return valid, _formats.select(valid, scale_used, zero), _formats.select(valid, amax, zero), kept
 
     def quantize_operand(self, x, contracting_axes, dtype, *, state=None, key=None, merge=no_merge):
         return self.quantize_operands([Operand(x, contracting_axes, dtype, state, key, merge)])[0]
@@ -321,39 +329,60 @@ class DelayedScaling(AbstractStatefulRecipe):
         # empty or corrupt history), and the delayed scale is only one side of the
         # `select` in `quantize_operands`, so no scale is planned.
         #
-        # The operands' states are stacked and computed on together (the same float32
-        # operations, entry by entry): one reduction over the histories and one scalar
-        # kernel for a call's scales on XLA:GPU, instead of two kernels per operand.
+        # The operands' histories are reduced together and their scalars stacked and
+        # computed on together (the same float32 operations, entry by entry): one
+        # reduction over the histories and one scalar kernel for a call's scales on
+        # XLA:GPU, instead of two kernels per operand.
         states = _required_states(states)
         if dtypes is not None and len(dtypes) != len(states):
             raise ValueError(f"`dtypes` must give one format per state ({len(states)}), got {len(dtypes)}.")
         plans: list[Any] = [None] * len(states)
         for idx in _groups(states):
-            # The group's arrays stacked once, then sliced (one kernel).
-            form = len(states[idx[0]])
-            axes = (-2,) if form == 1 else (-1, -2, -1)  # data; or scale, history, unit
-            stacked = tuple(
-                _formats.stack([as_f32(jnp.asarray(states[i][f])) for i in idx], axis=axes[f]) for f in range(form)
+            # The histories' bounds in one variadic reduction, then the group's scalars
+            # stacked (the last axis). Stacking the states themselves before one
+            # reduction copied every history: on XLA:CPU that copy was the largest
+            # kernel of a layer's program (a sixth of the compiled code of
+            # bench/state_cost.py's MLP block); reduced one by one, they were two more
+            # kernels per layer on XLA:GPU.
+            parts = [stored_parts(states[i]) for i in idx]
+            bounds = _formats.max_min_each([history for _, _, history in parts])
+            units, scales, longest, lowest = (
+                _formats.stack(column, axis=-1)
+                for column in (
+                    [unit for unit, _, _ in parts],
+                    [scale for _, scale, _ in parts],
+                    [hi for hi, _ in bounds],
+                    [lo for _, lo in bounds],
+                )
             )
-            units, scales, histories = stored_parts(stacked)
             inv_units = unit_inverse(units)
-            scales, longest, lowest = _through_unit(inv_units, scales, *_history_bounds(histories))
+            # (`lowest` is read for its sign only, which a positive unit keeps; where the
+            # unit is not positive, `longest` is rejected already: see `_through_unit`.)
+            scales, longest = _through_unit(inv_units, scales, longest)
             flags = _calibrates(longest, lowest, scales) if self.calibrate_first_call else None
             scales = _kept_scale(scales)
             if self.amax_compute_algo == "max":
                 past = longest
             else:
-                newest = lax.index_in_dim(histories, 0, axis=histories.ndim - 1, keepdims=False)
-                past = through_unit(inv_units, newest, 0)
-            if flags is None:
-                # A corrupt history gives no amax. (With the calibration, such a call
-                # calibrates and does not read `past`.)
-                past = _formats.select(lax.ge(lowest, np.float32(0)), past, lax.full_like(past, 0))
+                newest = [lax.index_in_dim(h, 0, axis=h.ndim - 1, keepdims=False) for _, _, h in parts]
+                past = lax.mul(_formats.stack(newest, axis=-1), inv_units)
             used = inv = None
             if dtypes is not None and flags is None:
-                used = self._checked(past, scales, tuple(_formats.fp8_max(dtypes[i]) for i in idx), kept=True)
+                # A corrupt history gives no amax: `_checked`'s `ok`. The plan then holds
+                # the scales and their reciprocals only (each value planned is carried
+                # to the casts and the backward pass).
+                used = self._checked(
+                    past,
+                    scales,
+                    tuple(_formats.fp8_max(dtypes[i]) for i in idx),
+                    kept=True,
+                    ok=lax.ge(lowest, np.float32(0)),
+                )
                 inv = _formats.reciprocal(used)
-                past = None
+                past = scales = None
+            elif flags is None:
+                # (With the calibration, a corrupt history calibrates and `past` is not read.)
+                past = _formats.select(lax.ge(lowest, np.float32(0)), past, lax.full_like(past, 0))
             flags, inv_units, scales, past, used, inv = _formats.computed_once(
                 (flags, inv_units, scales, past, used, inv), fence=False
             )
@@ -428,11 +457,21 @@ class DelayedScaling(AbstractStatefulRecipe):
         for op, state, (used, inv), seen in zip(operands, states, scales, seen_amaxes):
             p = op.plan
             values = _formats.quantize(op.x, used, op.dtype, inv=inv)
-            history = through_unit(lax.expand_dims(p.inv_unit, (p.inv_unit.ndim,)), stored_history(state), 0)
-            new_scale, new_history = self.next_state(used, history, seen)
-            new_state: tuple = (new_scale, new_history)
-            if len(state) != 2:  # the unit: 1 where the call observed something (its new scale is > 0)
-                unit = lax.convert_element_type(lax.gt(new_scale, np.float32(0)), np.float32)
-                new_state = (pack_state(unit, new_scale, new_history),) if len(state) == 1 else (*new_state, unit)
+            # The history the state stands for (`through_unit` without its `select`: a
+            # unit of 0 gives an empty history, as a fresh state has).
+            stored = stored_history(state)
+            history = lax.mul(stored, lax.broadcast_in_dim(p.inv_unit, stored.shape, tuple(range(p.inv_unit.ndim))))
+            valid, new_scale, recorded, kept = self._next(used, history, seen)
+            # The unit: 1 where the call observed something (its new scale, the positive
+            # scale it used, is > 0), else 0.
+            unit = lax.convert_element_type(valid, np.float32)
+            last = recorded.ndim
+            parts = [lax.expand_dims(recorded, (last,)), kept]
+            new_state: tuple
+            if len(state) == 1:  # (one `concatenate` for the whole array)
+                new_state = (lax.concatenate([lax.expand_dims(v, (last,)) for v in (unit, new_scale)] + parts, last),)
+            else:
+                new_state = (new_scale, lax.concatenate(parts, last))
+                new_state = (*new_state, unit) if len(state) == 3 else new_state
             results.append((QuantizedArray(values, used), new_state))
         return results
