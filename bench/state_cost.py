@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import importlib.metadata
 import importlib.util
 import platform
@@ -307,6 +308,10 @@ def first_step_s(step, args, reps: int, lower_for=None) -> tuple[float, float, f
     best, text = (float("inf"), 0.0, 0.0), ""
     for _ in range(reps):
         jax.clear_caches()
+        # Each first step starts with Python's collector emptied, so that the passes it
+        # makes during the step (a full one visits every object of this process) depend
+        # on what the step allocates, not on what the variants timed before it left.
+        gc.collect()
         t0 = time.perf_counter()
         lowered = (lower_for or (lambda: step.lower(*args)))()
         t1 = time.perf_counter()
