@@ -231,19 +231,14 @@ def max_min(hi: Array, lo: Array, axes: tuple[int, ...]) -> tuple[Array, Array]:
 def max_min_each(xs: list) -> list[tuple[Array, Array]]:
     """`(max, min)` of each array of `xs` (one shape) over its last axis, in one variadic
     reduction: one kernel for all of them, without first copying them into one array."""
-    if len(xs) == 1:
-        return [max_min(xs[0], xs[0], (xs[0].ndim - 1,))]
     init = (np.float32(-np.inf), np.float32(np.inf)) * len(xs)
-    out = lax.reduce(tuple(x for x in xs for _ in (0, 1)), init, _max_min_pairs, (xs[0].ndim - 1,))
-    return [(out[2 * i], out[2 * i + 1]) for i in range(len(xs))]
-
-
-def _max_min_pairs(a, b):
-    return tuple(op(x, y) for i, (x, y) in enumerate(zip(a, b)) for op in [lax.max if i % 2 == 0 else lax.min])
+    out = lax.reduce(tuple(x for x in xs for _ in (0, 1)), init, _max_min, (xs[0].ndim - 1,))
+    return list(zip(out[0::2], out[1::2]))
 
 
 def _max_min(a, b):
-    return lax.max(a[0], b[0]), lax.min(a[1], b[1])
+    # Pairs (max, min), as many as reduced: the max of the even entries, the min of the odd.
+    return tuple(lax.max(x, y) if i % 2 == 0 else lax.min(x, y) for i, (x, y) in enumerate(zip(a, b)))
 
 
 def _kept(x: Array, axes: tuple[int, ...], keepdims: bool) -> Array:

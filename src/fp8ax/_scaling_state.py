@@ -111,11 +111,12 @@ class ScalingState(AbstractState):
         return lax.gt(lax.index_in_dim(data, UNIT, axis=data.ndim - 1, keepdims=False), np.float32(0))
 
 
-def pack_state(unit: Any, scale: Any, history: Any) -> Any:
-    """A `ScalingState`'s array from its parts (traced or concrete float32 arrays)."""
-    return lax.concatenate(
-        [lax.expand_dims(unit, (unit.ndim,)), lax.expand_dims(scale, (scale.ndim,)), history], unit.ndim
-    )
+def pack_state(unit: Any, scale: Any, *history: Any) -> Any:
+    """A `ScalingState`'s array from its parts (traced or concrete float32 arrays): the
+    unit, the scale, and the history's pieces in order, each with the history's axis
+    last (one `concatenate` for the whole array)."""
+    last = np.ndim(unit)
+    return lax.concatenate([lax.expand_dims(unit, (last,)), lax.expand_dims(scale, (last,)), *history], last)
 
 
 def stored_parts(state: tuple) -> tuple:

@@ -15,6 +15,7 @@ from .._boundaries import vma
 from .._quantized import QuantizedArray, ScaleLayout
 from .._scaling_state import (
     ScalingState,
+    pack_state,
     read_state,
     stored_history,
     stored_parts,
@@ -462,16 +463,15 @@ class DelayedScaling(AbstractStatefulRecipe):
             stored = stored_history(state)
             history = lax.mul(stored, lax.broadcast_in_dim(p.inv_unit, stored.shape, tuple(range(p.inv_unit.ndim))))
             valid, new_scale, recorded, kept = self._next(used, history, seen)
+            recorded = lax.expand_dims(recorded, (recorded.ndim,))
             # The unit: 1 where the call observed something (its new scale, the positive
-            # scale it used, is > 0), else 0.
-            unit = lax.convert_element_type(valid, np.float32)
-            last = recorded.ndim
-            parts = [lax.expand_dims(recorded, (last,)), kept]
+            # scale it used, is > 0), else 0; the `(scale, amax_history)` form has none.
+            unit = None if len(state) == 2 else lax.convert_element_type(valid, np.float32)
             new_state: tuple
-            if len(state) == 1:  # (one `concatenate` for the whole array)
-                new_state = (lax.concatenate([lax.expand_dims(v, (last,)) for v in (unit, new_scale)] + parts, last),)
+            if len(state) == 1:
+                new_state = (pack_state(unit, new_scale, recorded, kept),)
             else:
-                new_state = (new_scale, lax.concatenate(parts, last))
-                new_state = (*new_state, unit) if len(state) == 3 else new_state
+                new_state = (new_scale, lax.concatenate([recorded, kept], recorded.ndim - 1))
+                new_state = new_state if unit is None else (*new_state, unit)
             results.append((QuantizedArray(values, used), new_state))
         return results
