@@ -295,6 +295,38 @@ def test_train_step_compiles_once(getkey):
     assert float(dg.lhs.amax_history[0]) == pytest.approx(4 * float(jnp.max(jnp.abs(x))))
 
 
+def test_forward_pass_is_traced_once_behind_an_inner_jit(getkey, monkeypatch):
+    # A layer called inside a `jit` of its own (as `hax.dot` calls it) has its custom VJP
+    # traced twice: for that `jit`'s primal, and when the `jit` is linearised. The pass is
+    # cached per signature (`_gemm/passes.py`), but jax 0.10 keys the cache on the
+    # abstract-mesh context as well, which is unset for the first trace and an empty mesh
+    # for the second: without a common context, each layer shape traced the forward pass
+    # twice (on bench/state_cost.py's MLP block, a third of the step's trace).
+    import fp8ax._gemm.dense as dense
+
+    planned = 0
+    plan_call = dense.plan_call
+
+    def counted(*args):
+        nonlocal planned
+        planned += 1
+        return plan_call(*args)
+
+    monkeypatch.setattr(dense, "plan_call", counted)
+    lin = fp8ax.fp8_linear_layers(eqx.nn.Linear(16, 8, key=getkey()))
+    x = jax.random.normal(getkey(), (4, 16))
+
+    @eqx.filter_jit
+    def inner(m, x):
+        return jax.vmap(m)(x)
+
+    def loss(m, x):
+        return jnp.sum(inner(m, x) ** 2)
+
+    jax.jit(lambda m, x: eqx.filter_grad(loss)(m, x)).trace(lin, x)
+    assert planned == 1
+
+
 # ---- bad input -----------------------------------------------------------------------
 
 
