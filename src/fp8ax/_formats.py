@@ -228,9 +228,13 @@ def max_min(hi: Array, lo: Array, axes: tuple[int, ...]) -> tuple[Array, Array]:
     return lax.reduce((hi, lo), (np.float32(-np.inf), np.float32(np.inf)), _max_min, axes)
 
 
-def max_min_each(xs: list) -> list[tuple[Array, Array]]:
+def max_min_each(xs: list, *, keepdims: bool = False) -> list[tuple[Array, Array]]:
     """`(max, min)` of each array of `xs` (one shape) over its last axis, in one variadic
-    reduction: one kernel for all of them, without first copying them into one array."""
+    reduction: one kernel for all of them, without first copying them into one array.
+    With `keepdims`, each result keeps the last axis (size 1), ready to be concatenated
+    along it."""
+    if keepdims:
+        xs = [lax.expand_dims(x, (x.ndim - 1,)) for x in xs]
     init = (np.float32(-np.inf), np.float32(np.inf)) * len(xs)
     out = lax.reduce(tuple(x for x in xs for _ in (0, 1)), init, _max_min, (xs[0].ndim - 1,))
     return list(zip(out[0::2], out[1::2]))

@@ -144,6 +144,29 @@ def stored_parts(state: tuple) -> tuple:
     return (state[2] if len(state) == 3 else lax.full_like(scale, 1)), scale, history
 
 
+def stored_columns(states: list) -> tuple:
+    """The stored units and the stored scales of several delayed-scaling states (traced
+    or JAX arrays; the forms of `stored_parts`), each stacked along a new last axis, and
+    the states' stored histories. A `ScalingState`'s unit and scale are sliced straight
+    into the stack, keeping the sliced axis, rather than taken out as scalars and widened
+    again (each operation here is repeated in every layer of the program XLA compiles)."""
+    units, scales, histories = [], [], []
+    for state in states:
+        if len(state) == 1:
+            data = as_f32(jnp.asarray(state[0]))
+            last = data.ndim - 1
+            units.append(lax.slice_in_dim(data, UNIT, UNIT + 1, axis=last))
+            scales.append(lax.slice_in_dim(data, SCALE, SCALE + 1, axis=last))
+            histories.append(lax.slice_in_dim(data, HISTORY, data.shape[-1], axis=last))
+            continue
+        unit, scale, history = (jnp.asarray(v, jnp.float32) for v in stored_parts(state))
+        units.append(lax.expand_dims(unit, (unit.ndim,)))
+        scales.append(lax.expand_dims(scale, (scale.ndim,)))
+        histories.append(history)
+    last = units[0].ndim - 1
+    return lax.concatenate(units, last), lax.concatenate(scales, last), histories
+
+
 def stored_history(state: tuple) -> Any:
     """The stored history of a delayed-scaling state alone (see `stored_parts`), sliced
     with `lax`: what a call's new state is written from."""

@@ -17,8 +17,8 @@ from .._scaling_state import (
     ScalingState,
     pack_state,
     read_state,
+    stored_columns,
     stored_history,
-    stored_parts,
     unit_inverse,
 )
 from .base import AbstractStatefulRecipe, Operand, as_fwd_dtype, as_grad_dtype, as_operands, no_merge
@@ -345,17 +345,12 @@ class DelayedScaling(AbstractStatefulRecipe):
             # kernel of a layer's program (a sixth of the compiled code of
             # bench/state_cost.py's MLP block); reduced one by one, they were two more
             # kernels per layer on XLA:GPU.
-            parts = [stored_parts(states[i]) for i in idx]
-            bounds = _formats.max_min_each([history for _, _, history in parts])
-            units, scales, longest, lowest = (
-                _formats.stack(column, axis=-1)
-                for column in (
-                    [unit for unit, _, _ in parts],
-                    [scale for _, scale, _ in parts],
-                    [hi for hi, _ in bounds],
-                    [lo for _, lo in bounds],
-                )
-            )
+            # (Each stacked as it is read, its last axis kept: no scalar taken out and
+            # widened again.)
+            units, scales, histories = stored_columns([states[i] for i in idx])
+            bounds = _formats.max_min_each(histories, keepdims=True)
+            last = units.ndim - 1
+            longest, lowest = (lax.concatenate(column, last) for column in zip(*bounds))
             inv_units = unit_inverse(units)
             # (`lowest` is read for its sign only, which a positive unit keeps; where the
             # unit is not positive, `longest` is rejected already: see `_through_unit`.)
@@ -365,8 +360,8 @@ class DelayedScaling(AbstractStatefulRecipe):
             if self.amax_compute_algo == "max":
                 past = longest
             else:
-                newest = [lax.index_in_dim(h, 0, axis=h.ndim - 1, keepdims=False) for _, _, h in parts]
-                past = lax.mul(_formats.stack(newest, axis=-1), inv_units)
+                newest = [lax.slice_in_dim(h, 0, 1, axis=h.ndim - 1) for h in histories]
+                past = lax.mul(lax.concatenate(newest, last), inv_units)
             used = inv = None
             if dtypes is not None and flags is None:
                 # A corrupt history gives no amax: `_checked`'s `ok`. The plan then holds
