@@ -138,9 +138,14 @@ def computed_once(tree, *, fence: bool = True):
     leaves = [_as_array(leaf) for leaf in leaves]
     if not leaves:
         return tree
-    fenced = lax.platform_dependent(*leaves, cpu=_reduced, default=lambda *xs: list(xs))
+    fenced = lax.platform_dependent(*leaves, cpu=_reduced, default=_as_list)
     out = jax.tree.unflatten(treedef, list(fenced))
     return lax.optimization_barrier(out) if fence else out
+
+
+def _as_list(*leaves) -> list:
+    # (One function for every call: JAX caches the trace of a branch by its function.)
+    return list(leaves)
 
 
 def _reduced(*leaves) -> list:
@@ -213,10 +218,17 @@ def amax(x: ArrayLike, axes: tuple[int, ...] | None = None, *, keepdims: bool = 
     NaN."""
     x = _as_array(x)
     axes = tuple(range(x.ndim)) if axes is None else tuple(sorted({a % x.ndim for a in axes}))
-    return lax.platform_dependent(
-        x,
-        cpu=functools.partial(_amax_nan_as_inf, axes=axes, keepdims=keepdims),
-        default=functools.partial(_amax_plain, axes=axes, keepdims=keepdims),
+    cpu, default = _amax_branches(axes, keepdims)
+    return lax.platform_dependent(x, cpu=cpu, default=default)
+
+
+@functools.cache
+def _amax_branches(axes: tuple[int, ...], keepdims: bool) -> tuple:
+    # The same two functions for every call with these arguments: JAX caches the trace of
+    # a branch by its function, and a fresh `partial` missed that cache every time.
+    return (
+        functools.partial(_amax_nan_as_inf, axes=axes, keepdims=keepdims),
+        functools.partial(_amax_plain, axes=axes, keepdims=keepdims),
     )
 
 
