@@ -245,8 +245,12 @@ def test_max_min_each_matches_numpy_and_propagates_nan(count):
     rng = np.random.default_rng(0)
     xs = [rng.standard_normal((2, 1024)).astype(np.float32) for _ in range(count)]
     xs[-1][1, 17] = np.nan
-    got = jax.jit(lambda *a: _formats.max_min_each(list(a)))(*xs)
-    assert len(got) == count
-    for x, (hi, lo) in zip(xs, got):
-        np.testing.assert_array_equal(np.asarray(hi), x.max(axis=-1))  # exact: a max picks an element
-        np.testing.assert_array_equal(np.asarray(lo), x.min(axis=-1))
+    for keepdims in (False, True):
+        # (With `keepdims`, each result keeps the reduced axis, size 1: how the plan
+        # concatenates the operands' bounds.)
+        got = jax.jit(lambda *a, k=keepdims: _formats.max_min_each(list(a), keepdims=k))(*xs)
+        assert len(got) == count
+        for x, (hi, lo) in zip(xs, got):
+            # exact: a max or a min picks an element
+            np.testing.assert_array_equal(np.asarray(hi), x.max(axis=-1, keepdims=keepdims), strict=True)
+            np.testing.assert_array_equal(np.asarray(lo), x.min(axis=-1, keepdims=keepdims), strict=True)

@@ -229,6 +229,29 @@ def test_without_calibration_a_corrupt_history_keeps_the_scale(history, expected
         assert np.asarray(got) == want, calibrate
 
 
+def test_every_state_form_gives_the_same_call():
+    # A delayed-scaling state reaches the recipe as a `ScalingState`'s `(data,)`, a
+    # `(scale, amax_history, unit)` triple or a `(scale, amax_history)` pair (unit 1); the
+    # plan reads each form into the same stack of units and scales (`stored_columns`).
+    # Stored with unit 0.5, the values stand for twice the stored ones.
+    recipe = fp8ax.DelayedScaling(history_length=4)
+    x = jnp.linspace(-2.0, 2.0, 12, dtype=jnp.float32).reshape(3, 4)
+    scale, hist, unit = np.float32(0.125), np.asarray([1.5, 0.5, 0.0, 0.25], np.float32), np.float32(0.5)
+    forms = {
+        "data": (jnp.asarray(np.concatenate([[unit, scale], hist]).astype(np.float32)),),
+        "triple": (jnp.float32(scale), jnp.asarray(hist), jnp.float32(unit)),
+        "pair": (jnp.float32(scale / unit), jnp.asarray(hist / unit)),
+    }
+    got = {
+        name: jax.jit(lambda x, state: recipe.quantize_operand(x, (1,), recipe.fwd_dtype, state=state))(x, state)
+        for name, state in forms.items()
+    }
+    want = np.float32(np.float32(3.0) * np.float32(1 / 448.0))  # the history's max, read through the unit
+    for name, (q, _) in got.items():
+        assert np.asarray(q.scale) == want, name
+        np.testing.assert_array_equal(np.asarray(q.values, np.float32), np.asarray(got["data"][0].values, np.float32))
+
+
 def test_scaling_state_init():
     st = fp8ax.ScalingState.init(4, (2,))
     assert st.scale.shape == (2,) and st.amax_history.shape == (2, 4)
