@@ -157,7 +157,7 @@ def stored_columns(states: list) -> tuple:
             last = data.ndim - 1
             units.append(lax.slice_in_dim(data, UNIT, UNIT + 1, axis=last))
             scales.append(lax.slice_in_dim(data, SCALE, SCALE + 1, axis=last))
-            histories.append(lax.slice_in_dim(data, HISTORY, data.shape[-1], axis=last))
+            histories.append(stored_history((data,)))
             continue
         unit, scale, history = (jnp.asarray(v, jnp.float32) for v in stored_parts(state))
         units.append(lax.expand_dims(unit, (unit.ndim,)))
