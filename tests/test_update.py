@@ -161,6 +161,44 @@ def test_unused_layer_keeps_its_state(getkey):
 
 
 @pytest.mark.needs_hax_dot
+def test_a_traced_update_merges_each_state_in_one_equation(getkey):
+    # In a jitted step, `apply_updates` merges each state (its new value where written,
+    # the old one elsewhere) inside a `jit` of its own: the step's trace records one
+    # equation per state, not the dozen its reads, `written` and `select` take, and the
+    # result is the eager one, bit for bit. A layer the step did not call (`head_a`)
+    # keeps its state there too.
+    ks = jax.random.split(getkey(), 3)
+    model = fp8ax.fp8_linear_layers(
+        TwoHeads(
+            hax.nn.Linear.init(In, Mid, key=ks[0]),
+            hax.nn.Linear.init(Mid, Out, key=ks[1]),
+            hax.nn.Linear.init(Mid, Out, key=ks[2]),
+        )
+    )
+    x, y = _data(getkey)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fp8ax.UnusedLayerWarning)
+        grads = eqx.filter_jit(eqx.filter_grad(lambda m: hax.mean((m(x, "b") - y) ** 2).scalar()))(model)
+    overwrite, _ = fp8ax.partition_for_grad_overwrite(grads)
+    arrays, static = eqx.partition((model, overwrite), eqx.is_array)
+
+    def update(arrays):
+        m, o = eqx.combine(arrays, static)
+        return fp8ax.apply_updates(m, None, o)
+
+    eqns = jax.make_jaxpr(update)(arrays).jaxpr.eqns
+    names = [e.primitive.name for e in eqns]
+    states = 3 * 3  # three layers, three states each
+    assert names.count("jit") == states and "select_n" not in names, names
+    traced = eqx.filter_jit(lambda m, o: fp8ax.apply_updates(m, None, o))(model, overwrite)
+    eager = fp8ax.apply_updates(model, None, overwrite)
+    for a, b in zip(jax.tree.leaves(traced), jax.tree.leaves(eager), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for a, b in zip(jax.tree.leaves(traced.head_a), jax.tree.leaves(model.head_a), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.needs_hax_dot
 def test_interop_with_haliax_helpers(getkey):
     ours = fp8ax.fp8_linear_layers(HaliaxMLP.init(key=getkey()))
     theirs = haxq.quantize_linear_layers(HaliaxMLP.init(key=getkey()), haxq.QuantizationConfig(fp8=True))

@@ -232,14 +232,35 @@ class AbstractState:
         layer; see `written`)."""
         if type(new) is not type(self):
             raise TypeError(f"Cannot overwrite a {type(self).__name__} with a {type(new).__name__}.")
-        used = new.written()
-        out = []
-        for old_v, new_v, extra in zip(self._values, new._values, self.entry_ndims):
-            new_v, old_v = as_f32(new_v), as_f32(old_v)
-            # (`lax` rather than `jnp`: `apply_updates` traces this for every state.)
-            mask = lax.broadcast_in_dim(used, np.shape(new_v), tuple(range(np.ndim(used))))
-            out.append(select(mask, new_v, old_v))
-        return self._with_values(out)
+        if any(isinstance(v, jax.core.Tracer) for v in (*self._values, *new._values)):
+            # Inside a traced step, one `jit` per state (traced once per state type and
+            # shapes): the step's own trace records one equation for it instead of a dozen
+            # (the values' reads, `written`, the broadcast and the `select`). A `jit`
+            # trace keeps every equation it records until it ends, and on a deep model
+            # those made Python's collector run a full collection during the step's first
+            # trace (bench/README.md, run J).
+            # (It returns the values in the max-accumulating form, as they enter a state:
+            # no conversion is recorded in the step's trace either.)
+            return self._with_values(_overwritten_jit(type(self), self._values, new._values))
+        return self._with_values(_overwritten(type(self), self._values, new._values))
+
+
+def _overwritten(cls: type[AbstractState], old: tuple, new: tuple) -> list:
+    """The values of `AbstractState._overwritten_by`: `new`'s where its state (a `cls`) is
+    written, `old`'s elsewhere, as float32."""
+    used = cls._make(new, None, None).written()
+    out = []
+    for old_v, new_v in zip(old, new):
+        new_v, old_v = as_f32(new_v), as_f32(old_v)
+        # (`lax` rather than `jnp`: `apply_updates` traces this for every state.)
+        mask = lax.broadcast_in_dim(used, np.shape(new_v), tuple(range(np.ndim(used))))
+        out.append(select(mask, new_v, old_v))
+    return out
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _overwritten_jit(cls: type[AbstractState], old: tuple, new: tuple) -> list:
+    return [to_max(v) for v in _overwritten(cls, old, new)]
 
 
 class LayerName:
