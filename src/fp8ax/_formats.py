@@ -176,15 +176,6 @@ def broadcast(x: Array, shape: tuple[int, ...]) -> Array:
     return lax.broadcast_in_dim(x, shape, tuple(range(len(shape) - x.ndim, len(shape))))
 
 
-def stack(xs, axis: int = -1) -> Array:
-    """Arrays of one shape stacked along a new `axis` (negative: counted from the end of
-    the result), with `lax` (see `select`)."""
-    xs = [_as_array(x) for x in xs]
-    ndim = xs[0].ndim + 1
-    axis = axis % ndim
-    return lax.concatenate([lax.expand_dims(x, (axis,)) for x in xs], axis)
-
-
 def _as_array(x: ArrayLike) -> Array:
     return x if isinstance(x, jax.Array) else jnp.asarray(x)
 

@@ -232,7 +232,7 @@ class AbstractState:
         layer; see `written`)."""
         if type(new) is not type(self):
             raise TypeError(f"Cannot overwrite a {type(self).__name__} with a {type(new).__name__}.")
-        if any(isinstance(v, jax.core.Tracer) for v in (*self._values, *new._values)):
+        if any(isinstance(v, _TRACER) for v in (*self._values, *new._values)):
             # Inside a traced step, one `jit` per state (traced once per state type and
             # shapes): the step's own trace records one equation for it instead of a dozen
             # (the values' reads, `written`, the broadcast and the `select`). A `jit`
