@@ -1,5 +1,7 @@
 """Quantization against ml_dtypes casting (an independent implementation of the formats)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -118,6 +120,18 @@ def test_amax_counts_a_nan_as_inf_in_a_large_tensor(dtype, shape, getkey):
         for where in ((0,) * len(shape), tuple(n // 3 for n in shape), tuple(n - 1 for n in shape)):
             assert float(fn(x.at[where].set(jnp.nan).astype(dtype))) == np.inf, where
             assert float(fn(x.at[where].set(-jnp.inf).astype(dtype))) == np.inf, where
+
+
+@pytest.mark.parametrize(
+    "shape, reductions",
+    [((256, 1024), 1), ((8, 64, 512), 1), ((512, 1024), 2), ((4096, 1024), 2), ((2**19,), 1)],
+)
+def test_the_cpu_amax_reduces_in_two_stages_from_2_to_the_19_elements(shape, reductions):
+    # Below 2**19 elements the second stage only costs compile time (see `amax`); a 1-D
+    # tensor has no rows to split.
+    traced = jax.jit(_formats.amax).trace(jax.ShapeDtypeStruct(shape, jnp.float32))
+    text = traced.lower(lowering_platforms=("cpu",)).as_text()
+    assert len(re.findall(r"stablehlo\.reduce[( ]", text)) == reductions
 
 
 @pytest.mark.parametrize("axes", [(1,), (0, 2), (2,)])

@@ -200,11 +200,15 @@ def amax(x: ArrayLike, axes: tuple[int, ...] | None = None, *, keepdims: bool = 
     be used, or XLA drops the min and takes the plain max again (a `select` of NaN to inf
     before the max would cost, on CPU, one more pass over every quantized tensor).
 
-    On CPU the reduction runs in two stages, over the last axis (each row) and then
-    over the rows' results: XLA:CPU splits a reduction across cores only when
-    its result has an outer dimension to split (on 2 cores a 4096x1024 amax takes 0.47
-    ms in two stages against 0.71 ms in one). Max and min are exact, so the order changes
-    nothing in the result. (A reduction over some of the axes runs in one stage.) It is
+    On CPU a tensor of 2**19 elements or more is reduced in two stages, over the last
+    axis (each row) and then over the rows' results: XLA:CPU splits a reduction across
+    cores only when its result has an outer dimension to split (on 2 cores a 4096x1024
+    amax takes 0.22-0.47 ms in two stages against 0.42-0.71 ms in one). A smaller one
+    gains nothing from the split (256x1024: 52 us in one stage, 58 in two), and the
+    second stage costs XLA's compile one more variadic reduction per tensor: on
+    bench/state_cost.py's 16-block stack of small layers, 0.1 s of a 1.3 s compile. Max
+    and min are exact, so the order changes nothing in the result. (A reduction over
+    some of the axes runs in one stage.) It is
     jitted so that eager calls with `jax_debug_infs` do not see the inf it returns for a
     NaN."""
     x = _as_array(x)
@@ -263,13 +267,20 @@ def _amax_plain(x, *, axes=None, keepdims=False):
     return _kept(lax.reduce_max(_as_f32(lax.abs(x)), axes), axes, keepdims)
 
 
+# The smallest tensor `amax` reduces in two stages on CPU (see there).
+_TWO_STAGES_FROM = 2**19
+
+
 @functools.partial(jax.jit, static_argnames=("two_stage", "axes", "keepdims"))
-def _amax_nan_as_inf(x, *, two_stage: bool = True, axes=None, keepdims=False):
+def _amax_nan_as_inf(x, *, two_stage: bool | None = None, axes=None, keepdims=False):
     # In float32: XLA:CPU reduces a bfloat16 array in float32 anyway, and rounds each
     # result back to bfloat16 in a scalar kernel of its own (two per tensor).
+    # `two_stage`: None chooses by size; True or False forces the form (for tests).
     ax = _as_f32(lax.abs(x))
     every = tuple(range(ax.ndim))
     axes = every if axes is None else axes
+    if two_stage is None:
+        two_stage = ax.size >= _TWO_STAGES_FROM
     if two_stage and ax.ndim >= 2 and axes == every:
         # Over the last axis, then the rest: no reshape, which could move a tensor
         # sharded along a middle axis.
