@@ -191,14 +191,16 @@ def amax(x: ArrayLike, axes: tuple[int, ...] | None = None, *, keepdims: bool = 
     Chosen per platform when the program is lowered (`lax.platform_dependent`, so a
     program compiled ahead of time for a GPU on a CPU host gets the GPU's form): a plain
     max reduction everywhere but on CPU. XLA's `max` propagates NaN, but the CPU backend
-    of jax 0.10 reduces large arrays with a kernel that skips NaNs (`jnp.max(jnp.abs(x))`
-    of a 256x1024 array holding one NaN returns the largest finite value). On CPU the
-    max is therefore taken together with the min
-    in one variadic reduction, which backends compile with their own reduction emitter
-    (with `abs` fused in, and on CPU without the NaN-skipping kernel); the min is NaN
-    exactly when some element is, and turns the amax into +inf then. Both results must
-    be used, or XLA drops the min and takes the plain max again (a `select` of NaN to inf
-    before the max would cost, on CPU, one more pass over every quantized tensor).
+    of jax 0.10 hands the reductions it can to YNNPACK, whose kernel skips NaNs
+    (`jnp.max(jnp.abs(x))` of a 256x1024 array holding one NaN returns the largest
+    finite value; with `--xla_cpu_experimental_ynn_fusion_type=` it returns NaN, and a
+    reduction XLA emits itself with a non-constant initial value skips NaNs too). On CPU
+    the max is therefore taken together with the min in one variadic reduction, which
+    backends compile with their own reduction emitter (with `abs` fused in, and on CPU
+    without the NaN-skipping kernel); the min is NaN exactly when some element is, and
+    turns the amax into +inf then. Both results must be used, or XLA drops the min and
+    takes the plain max again (a `select` of NaN to inf before the max would cost, on
+    CPU, one more pass over every quantized tensor).
 
     On CPU a tensor of 2**19 elements or more is reduced in two stages, over the last
     axis (each row) and then over the rows' results: XLA:CPU splits a reduction across
@@ -208,9 +210,8 @@ def amax(x: ArrayLike, axes: tuple[int, ...] | None = None, *, keepdims: bool = 
     second stage costs XLA's compile one more variadic reduction per tensor: on
     bench/state_cost.py's 16-block stack of small layers, 0.1 s of a 1.3 s compile. Max
     and min are exact, so the order changes nothing in the result. (A reduction over
-    some of the axes runs in one stage.) It is
-    jitted so that eager calls with `jax_debug_infs` do not see the inf it returns for a
-    NaN."""
+    some of the axes runs in one stage.) It is jitted so that eager calls with
+    `jax_debug_infs` do not see the inf it returns for a NaN."""
     x = _as_array(x)
     axes = tuple(range(x.ndim)) if axes is None else tuple(sorted({a % x.ndim for a in axes}))
     cpu, default = _amax_branches(axes, keepdims)
