@@ -282,15 +282,19 @@ def test_bad_operands_are_errors():
         recipe.plan([fp8ax.ScalingState.init(4)])
 
 
+@pytest.mark.parametrize("form", ["pair", "packed", "packed, read as on GPUs"])
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 @pytest.mark.parametrize("margin", [0, 3])
-def test_scales_planned_together_are_each_states_own(algo, margin, getkey):
+def test_scales_planned_together_are_each_states_own(form, algo, margin, getkey, monkeypatch):
     # `plan` computes the scales of a call's states on a stack of them; each must be the
     # formula for that state alone (float32: amax * float32(2**margin / fp8_max), at
     # least 2**-126, the old scale where the history gives no usable amax), and what
     # `quantize_operand` of that state alone uses. Two formats, an empty and a corrupt
     # history, one that underflows, and one of another length (planned apart: it cannot
-    # be stacked).
+    # be stacked). The states as `(scale, history)` pairs (read one by one) and as
+    # `ScalingState` arrays, one of them stored with a unit of 1/2 (as after Levanter's
+    # averaging of two microbatches): read one by one on CPU, stacked first where the
+    # program is lowered for a GPU (here on CPU too).
     recipe = fp8ax.DelayedScaling(history_length=4, margin=margin, amax_compute_algo=algo, calibrate_first_call=False)
     e4, e5 = recipe.fwd_dtype, recipe.grad_dtype
     cases = [  # (scale, history, format)
@@ -301,7 +305,16 @@ def test_scales_planned_together_are_each_states_own(algo, margin, getkey):
         (0.125, [1e-37, 2e-38, 0.0, 0.0], e4),  # a normal amax whose scale would be subnormal
         (3.0, [600.0, 2.0, 1.0, 0.0, 0.0, 0.0], e5),
     ]
-    states = [(jnp.float32(s), jnp.asarray(h, jnp.float32)) for s, h, _ in cases]
+    if form == "packed, read as on GPUs":
+        from fp8ax._recipes import delayed
+
+        on_gpus = delayed._read_branches(algo != "max")[1]
+        monkeypatch.setattr(delayed, "_read_branches", lambda newest: (on_gpus, on_gpus))
+    if form == "pair":
+        states = [(jnp.float32(s), jnp.asarray(h, jnp.float32)) for s, h, _ in cases]
+    else:
+        units = [0.5] + [1.0] * (len(cases) - 1)
+        states = [(jnp.asarray([u, s * u, *(v * u for v in h)], jnp.float32),) for u, (s, h, _) in zip(units, cases)]
     dtypes = [d for _, _, d in cases]
     plans = jax.jit(lambda sts: recipe.plan(sts, dtypes))(states)
     for (s, h, d), st, p in zip(cases, states, plans):
@@ -323,6 +336,51 @@ def test_scales_planned_together_are_each_states_own(algo, margin, getkey):
     assert first_call.planned_scale(first_call.plan(states[:1], dtypes[:1])[0]) is None
     with pytest.raises(ValueError, match=r"`dtypes` must give one format per state \(2\), got 1"):
         recipe.plan(states[:2], dtypes[:1])
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+def test_the_gpus_stacked_read_of_the_states_trains_as_the_cpus(algo, getkey, monkeypatch):
+    # Where the program is lowered for a GPU, `DelayedScaling.plan` stacks a call's states
+    # before it reads them (`_read_stacked`); on CPU it reads them apart. Here both run on
+    # CPU: three SGD steps of a `haliax.nn.Stacked` model (its states read inside the
+    # scan, stacked over the layers outside it) and of an `eqx.filter_vmap` ensemble of
+    # `eqx.nn.Linear` layers give the same model bit for bit.
+    import haliax as hax
+
+    from fp8ax._recipes import delayed
+    from helpers import Deep, In, Out, mse, sgd_step
+
+    config = fp8ax.Fp8Config(recipe=fp8ax.DelayedScaling(amax_compute_algo=algo))
+    deep = fp8ax.fp8_linear_layers(Deep.init(key=getkey()), config)
+    Batch = hax.Axis("batch", 8)
+    xs = [hax.random.normal(getkey(), (Batch, In)) for _ in range(3)]
+    ys = [hax.random.normal(getkey(), (Batch, Out)) for _ in range(3)]
+    keys = jax.random.split(getkey(), 2)
+    ensemble = eqx.filter_vmap(lambda k: eqx.nn.Linear(16, 16, key=k))(keys)
+    ensemble = fp8ax.fp8_linear_layers(ensemble, config)
+    x = jax.random.normal(getkey(), (4, 16))
+
+    def ensemble_loss(m, x):
+        return jnp.sum(eqx.filter_vmap(lambda layer: jax.vmap(layer)(x) ** 2)(m))
+
+    def trained():
+        jax.clear_caches()  # (the passes are traced once per signature)
+        step, model = sgd_step(mse), deep
+        for x_, y_ in zip(xs, ys):
+            model = step(model, x_, y_)
+        step, ens = sgd_step(ensemble_loss), ensemble
+        for _ in range(3):
+            ens = step(ens, x)
+        return model, ens
+
+    apart = trained()
+    stacked = delayed._read_branches(algo != "max")[1]
+    monkeypatch.setattr(delayed, "_read_branches", lambda newest: (stacked, stacked))
+    together = trained()
+    for got, want in zip(jax.tree.leaves(together), jax.tree.leaves(apart)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    written = [fp8ax.check_state(m, written=True) for m in together]
+    assert written == [None, None]
 
 
 class _SeededTensorwise(fp8ax.AbstractStatelessRecipe):

@@ -2,6 +2,7 @@
 # operand), and the check that tells a corrupt state from a real one.
 
 import dataclasses
+import functools
 from typing import Any, Literal, NamedTuple
 
 import equinox as eqx
@@ -12,11 +13,13 @@ from jaxtyping import Array, Float
 
 from .. import _formats
 from .._boundaries import vma
+from .._maxgrad import as_f32
 from .._quantized import QuantizedArray, ScaleLayout
 from .._scaling_state import (
     ScalingState,
     pack_state,
     read_state,
+    stacked_parts,
     stored_columns,
     stored_history,
     unit_inverse,
@@ -110,6 +113,44 @@ def _groups(states) -> list[list[int]]:
         key = tuple((jnp.shape(v), vma(v)) for v in state)
         groups.setdefault(key, []).append(i)
     return list(groups.values())
+
+
+def _read_apart(*states, newest: bool) -> tuple:
+    """`(units, scales, longest, lowest, newest)` of delayed-scaling states of one shape,
+    each stacked along a new last axis (`newest`, each history's newest stored entry:
+    None unless asked for): each state read apart, its history's bounds in one variadic
+    reduction with the others'. States in the `(data,)` form arrive as bare arrays (the
+    branch of `lax.platform_dependent`)."""
+    states = [state if isinstance(state, tuple) else (state,) for state in states]
+    units, scales, histories = stored_columns(states)
+    last = units.ndim - 1
+    bounds = _formats.max_min_each(histories, keepdims=True)
+    longest, lowest = (lax.concatenate(column, last) for column in zip(*bounds))
+    first = None
+    if newest:
+        first = lax.concatenate([lax.slice_in_dim(h, 0, 1, axis=h.ndim - 1) for h in histories], last)
+    return units, scales, longest, lowest, first
+
+
+def _read_stacked(*datas, newest: bool) -> tuple:
+    """`_read_apart` of `ScalingState` arrays of one shape, stacked first: one
+    `concatenate` and three slices (`stacked_parts`) and one reduction over the stacked
+    histories, where reading them apart takes three slices per state and four
+    concatenations. XLA:GPU fuses the stacking into the reduction, with the same kernels,
+    and its compile of bench/state_cost.py's 16-block stack and Stacked decoder takes 4 to
+    5% less time; XLA:CPU compiles it no faster, and keeps reading them apart
+    (bench/README.md, run M)."""
+    units, scales, stacked = stacked_parts([(d,) for d in datas])
+    last = stacked.ndim - 1
+    longest, lowest = _formats.max_min(stacked, stacked, (last,))
+    first = lax.squeeze(lax.slice_in_dim(stacked, 0, 1, axis=last), (last,)) if newest else None
+    return units, scales, longest, lowest, first
+
+
+@functools.cache
+def _read_branches(newest: bool) -> tuple:
+    # The same two functions for every call (JAX caches a branch's trace by its function).
+    return functools.partial(_read_apart, newest=newest), functools.partial(_read_stacked, newest=newest)
 
 
 def _columns(x, n: int) -> list:
@@ -339,29 +380,24 @@ class DelayedScaling(AbstractStatefulRecipe):
             raise ValueError(f"`dtypes` must give one format per state ({len(states)}), got {len(dtypes)}.")
         plans: list[Any] = [None] * len(states)
         for idx in _groups(states):
-            # The histories' bounds in one variadic reduction, then the group's scalars
-            # stacked (the last axis). Stacking the states themselves before one
-            # reduction copied every history: on XLA:CPU that copy was the largest
-            # kernel of a layer's program (a sixth of the compiled code of
-            # bench/state_cost.py's MLP block); reduced one by one, they were two more
-            # kernels per layer on XLA:GPU.
-            # (Each stacked as it is read, its last axis kept: no scalar taken out and
-            # widened again.)
-            units, scales, histories = stored_columns([states[i] for i in idx])
-            bounds = _formats.max_min_each(histories, keepdims=True)
-            last = units.ndim - 1
-            longest, lowest = (lax.concatenate(column, last) for column in zip(*bounds))
+            # The group's units, scales, the bounds of its histories and (for
+            # "most_recent") their newest entries, each stacked along the last axis
+            # (`_read_stacked`, `_read_apart`).
+            group = [states[i] for i in idx]
+            newest = self.amax_compute_algo != "max"
+            if all(len(state) == 1 for state in group):
+                datas = [as_f32(jnp.asarray(state[0])) for state in group]
+                cpu, default = _read_branches(newest)
+                units, scales, longest, lowest, past = lax.platform_dependent(*datas, cpu=cpu, default=default)
+            else:
+                units, scales, longest, lowest, past = _read_apart(*group, newest=newest)
             inv_units = unit_inverse(units)
             # (`lowest` is read for its sign only, which a positive unit keeps; where the
             # unit is not positive, `longest` is rejected already: see `_through_unit`.)
             scales, longest = _through_unit(inv_units, scales, longest)
             flags = _calibrates(longest, lowest, scales) if self.calibrate_first_call else None
             scales = _kept_scale(scales)
-            if self.amax_compute_algo == "max":
-                past = longest
-            else:
-                newest = [lax.slice_in_dim(h, 0, 1, axis=h.ndim - 1) for h in histories]
-                past = lax.mul(lax.concatenate(newest, last), inv_units)
+            past = longest if past is None else lax.mul(past, inv_units)
             used = inv = None
             if dtypes is not None and flags is None:
                 # A corrupt history gives no amax: `_checked`'s `ok`. The plan then holds
