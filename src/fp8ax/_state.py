@@ -141,6 +141,21 @@ class AbstractState:
     @classmethod
     def _rebuild(cls, label, children) -> Self:
         # The node's static data is the layer's name (a `LayerName`, see `_labelled`), or None.
+        if len(children) == 1 and type(children[0]) is _haliax._STATE_NAMED_CLASS:
+            # The common case of the branch below, written out: every built-in state is
+            # one array, and a training loop rebuilds each two or three times per step
+            # (bench/README.md, run N).
+            value = children[0].array
+            dtype = getattr(value, "dtype", None)
+            if value is None or ((dtype is _F32 or dtype == _F32) and not isinstance(value, _TRACER)):
+                state = object.__new__(cls)
+                kept = (value,)
+                _VALUES(state, kept)
+                _LEAVES(state, kept)
+                _AXES(state, _FROM_KIDS)
+                _LABEL(state, label)
+                _KIDS(state, tuple(children))
+                return state
         kept = _kept_children(children, len(cls.fields))
         if kept is not None:
             # What a training loop's model holds, step after step: the children this
