@@ -286,18 +286,19 @@ def state_named_class() -> type:
     jax.tree_util.register_pytree_node(
         cls, lambda x: ((x.array,), getattr(x, kind)), rebuild_in_dict if in_dict else rebuild
     )
-    global _STATE_NAMED_CLASS
-    _STATE_NAMED_CLASS = cls
+    global MADE_STATE_NAMED_CLASS
+    MADE_STATE_NAMED_CLASS = cls
     return cls
 
 
-_STATE_NAMED_CLASS: type | None = None
+# `state_named_class()` once made, else None: read by every rebuild of a state (`_state`).
+MADE_STATE_NAMED_CLASS: type | None = None
 
 
 def made_state_named_class() -> type | None:
     """`state_named_class()` if it was made (a state has been named), else None: a check
     that imports nothing, for every unflatten of a state."""
-    return _STATE_NAMED_CLASS
+    return MADE_STATE_NAMED_CLASS
 
 
 if not TYPE_CHECKING:  # (so that the type checker still flags a misspelt attribute)

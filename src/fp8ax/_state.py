@@ -141,7 +141,7 @@ class AbstractState:
     @classmethod
     def _rebuild(cls, label, children) -> Self:
         # The node's static data is the layer's name (a `LayerName`, see `_labelled`), or None.
-        if len(children) == 1 and type(children[0]) is _haliax._STATE_NAMED_CLASS:
+        if len(children) == 1 and type(children[0]) is _haliax.MADE_STATE_NAMED_CLASS:
             # The common case of the branch below, written out: every built-in state is
             # one array, and a training loop rebuilds each two or three times per step
             # (bench/README.md, run N).
