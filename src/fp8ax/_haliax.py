@@ -291,14 +291,9 @@ def state_named_class() -> type:
     return cls
 
 
-# `state_named_class()` once made, else None: read by every rebuild of a state (`_state`).
+# `state_named_class()` once made (a state has been named), else None: a check that
+# imports nothing, read by every rebuild of a state (`_state`).
 MADE_STATE_NAMED_CLASS: type | None = None
-
-
-def made_state_named_class() -> type | None:
-    """`state_named_class()` if it was made (a state has been named), else None: a check
-    that imports nothing, for every unflatten of a state."""
-    return MADE_STATE_NAMED_CLASS
 
 
 if not TYPE_CHECKING:  # (so that the type checker still flags a misspelt attribute)

@@ -167,15 +167,13 @@ def stored_columns(states: list) -> tuple:
     return lax.concatenate(units, last), lax.concatenate(scales, last), histories
 
 
-def stacked_parts(states: list) -> tuple:
-    """The stored units, scales and histories of several delayed-scaling states in the
-    `(data,)` form (a `ScalingState`'s array; traced or JAX arrays of one shape), stacked
-    along a new axis before the last: the units and the scales `(..., n)`, the histories
-    `(..., n, history_length)`: one `concatenate` of the arrays and three slices, where
-    reading each state apart (`stored_columns`) takes three slices per state and a
-    `concatenate` per part (see `DelayedScaling.plan`, which reads them so where it
-    lowers for GPUs)."""
-    datas = [as_f32(jnp.asarray(state[0])) for state in states]
+def stacked_parts(datas: list) -> tuple:
+    """The stored units, scales and histories of several `ScalingState` arrays (float32,
+    traced or JAX arrays of one shape), stacked along a new axis before the last: the
+    units and the scales `(..., n)`, the histories `(..., n, history_length)`: one
+    `concatenate` of the arrays and three slices, where reading each state apart
+    (`stored_columns`) takes three slices per state and a `concatenate` per part (see
+    `DelayedScaling.plan`, which reads them so where it lowers for GPUs)."""
     last = datas[0].ndim - 1
     data = lax.concatenate([lax.expand_dims(d, (last,)) for d in datas], last)
     top = last + 1

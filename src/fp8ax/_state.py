@@ -142,19 +142,14 @@ class AbstractState:
     def _rebuild(cls, label, children) -> Self:
         # The node's static data is the layer's name (a `LayerName`, see `_labelled`), or None.
         if len(children) == 1 and type(children[0]) is _haliax.MADE_STATE_NAMED_CLASS:
-            # The common case of the branch below, written out: every built-in state is
-            # one array, and a training loop rebuilds each two or three times per step
-            # (bench/README.md, run N).
+            # Every built-in state: one child, kept as the branch below keeps several,
+            # without the calls (a training loop rebuilds each state two or three times
+            # per step; bench/README.md, run N).
             value = children[0].array
-            dtype = getattr(value, "dtype", None)
-            if value is None or ((dtype is _F32 or dtype == _F32) and not isinstance(value, _TRACER)):
+            if _kept_value(value):
                 state = object.__new__(cls)
                 kept = (value,)
-                _VALUES(state, kept)
-                _LEAVES(state, kept)
-                _AXES(state, _FROM_KIDS)
-                _LABEL(state, label)
-                _KIDS(state, tuple(children))
+                state._assign(kept, kept, _FROM_KIDS, label, tuple(children))
                 return state
         kept = _kept_children(children, len(cls.fields))
         if kept is not None:
@@ -384,15 +379,9 @@ def _kept_children(children, count: int) -> tuple | None:
     concrete float32 values or placeholders (`_haliax.named`'s class, holding a float32
     array that is no tracer, or None: what `_enter` passes through unchanged); None
     otherwise."""
-    kind = _haliax.made_state_named_class()  # (None before any state was named: no Haliax import)
+    kind = _haliax.MADE_STATE_NAMED_CLASS  # (None before any state was named: no Haliax import)
     if kind is None or len(children) != count:
         return None
-    if count == 1:  # (every built-in state: one array; without the loop, a third faster)
-        (child,) = children
-        if type(child) is not kind:
-            return None
-        value = child.array
-        return (value,) if _kept_value(value) else None
     values = tuple([child.array for child in children if type(child) is kind])
     return values if len(values) == count and all(map(_kept_value, values)) else None
 
@@ -400,7 +389,8 @@ def _kept_children(children, count: int) -> tuple | None:
 def _kept_value(value) -> bool:
     # A concrete float32 array, or None: a filter's placeholder, as in the static half of
     # `eqx.partition`, which `eqx.filter_jit` flattens and rebuilds on every call.
-    return value is None or (getattr(value, "dtype", None) == _F32 and not isinstance(value, _TRACER))
+    dtype = getattr(value, "dtype", None)
+    return value is None or ((dtype is _F32 or dtype == _F32) and not isinstance(value, _TRACER))
 
 
 _TRACER = jax.core.Tracer

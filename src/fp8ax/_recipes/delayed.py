@@ -140,7 +140,7 @@ def _read_stacked(*datas, newest: bool) -> tuple:
     and its compile of bench/state_cost.py's 16-block stack and Stacked decoder takes 4 to
     5% less time; XLA:CPU compiles it no faster, and keeps reading them apart
     (bench/README.md, run M)."""
-    units, scales, stacked = stacked_parts([(d,) for d in datas])
+    units, scales, stacked = stacked_parts(list(datas))
     last = stacked.ndim - 1
     longest, lowest = _formats.max_min(stacked, stacked, (last,))
     first = lax.squeeze(lax.slice_in_dim(stacked, 0, 1, axis=last), (last,)) if newest else None
