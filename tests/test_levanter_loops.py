@@ -5,6 +5,7 @@
 # `Trainer` (docs/levanter.md says where it was run).
 
 import copy
+import gc
 import pickle
 
 import equinox as eqx
@@ -213,6 +214,14 @@ def test_named_state_children_unflatten_without_haliax_checks(getkey, monkeypatc
     again = jax.tree.unflatten(treedef, leaves)
     assert calls == []
     assert jax.tree.structure(again) == treedef
+    # What the rebuild keeps alive is each state and its child alone, no tuple and no
+    # dictionary: every object a step's outputs keep is one more for Python's collector to
+    # walk, and on a deep model its full passes cost more than the rebuilding
+    # (bench/README.md, run O).
+    for state in (again.lhs, again.rhs, again.grad):
+        assert not [r for r in gc.get_referents(state) if type(r) in (tuple, list, dict)]
+        (kid,) = jax.tree.leaves(state, is_leaf=hax.is_named_array)
+        assert not [r for r in gc.get_referents(kid) if isinstance(r, dict)]
     np.testing.assert_array_equal(np.asarray(again.lhs.amax_history), np.asarray(dg.lhs.amax_history))
     # Concrete children are kept: the next flatten hands out the same objects.
     kids = jax.tree.leaves(again, is_leaf=hax.is_named_array)

@@ -54,8 +54,11 @@ class AbstractState:
 
     # `_values`: the arrays, in the max-accumulating form while traced; `_leaves`: their
     # float32 leaves where they are safe to hand out again (concrete values), None where
-    # every flatten must make a fresh view (see `_enter`).
-    __slots__ = ("_values", "_leaves", "_axes", "_label", "_kids")
+    # every flatten must make a fresh view (see `_enter`). Both are read through
+    # properties: a state rebuilt from its one kept child stores neither until they are
+    # read (`_rebuild`). `_kids`: the children the next flatten returns, None until made;
+    # that one child alone, not in a tuple, for such a state.
+    __slots__ = ("_vals", "_lvs", "_axes", "_label", "_kids")
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -89,7 +92,7 @@ class AbstractState:
         entered = [_enter(v, label) for v in values]
         self._assign(tuple([v for v, _ in entered]), tuple([leaf for _, leaf in entered]), axes, label, None)
 
-    def _assign(self, values: tuple, leaves: tuple, axes: Any, label: "LayerName | None", kids: tuple | None) -> None:
+    def _assign(self, values: Any, leaves: Any, axes: Any, label: "LayerName | None", kids: Any) -> None:
         # Through the slots' setters (what `object.__setattr__` would find): every unflatten
         # of a model runs this for each state, two or three times per call of a jitted step.
         _VALUES(self, values)
@@ -97,6 +100,24 @@ class AbstractState:
         _AXES(self, axes)
         _LABEL(self, label)
         _KIDS(self, kids)
+
+    @property
+    def _values(self) -> tuple:
+        values = self._vals
+        return self._values_from_kid() if values is _FROM_KIDS else values
+
+    @property
+    def _leaves(self) -> tuple:
+        leaves = self._lvs
+        return self._values_from_kid() if leaves is _FROM_KIDS else leaves
+
+    def _values_from_kid(self) -> tuple:
+        """The values (and leaves) of a state rebuilt from its one kept child, read from it
+        and stored when first needed."""
+        values = (self._kids.array,)
+        _VALUES(self, values)
+        _LEAVES(self, values)
+        return values
 
     def _leaf(self, i):
         leaf = self._leaves[i]
@@ -121,12 +142,13 @@ class AbstractState:
         """`_axes`; read from the kept children for a state rebuilt from them (`_rebuild`),
         once, when first needed."""
         if self._axes is _FROM_KIDS:
-            object.__setattr__(self, "_axes", tuple(_haliax.axis_pairs(kid) for kid in self._kids))
+            object.__setattr__(self, "_axes", tuple(_haliax.axis_pairs(kid) for kid in self._children()))
         return self._axes
 
     def _children(self) -> tuple:
-        if self._kids is not None:
-            return self._kids
+        kids = self._kids
+        if kids is not None:
+            return kids if type(kids) is tuple else (kids,)
         leaves = tuple(self._leaf(i) for i in range(len(self.fields)))
         kids = leaves
         axes = self._axes_of()
@@ -144,12 +166,13 @@ class AbstractState:
         if len(children) == 1 and type(children[0]) is _haliax.MADE_STATE_NAMED_CLASS:
             # Every built-in state: one child, kept as the branch below keeps several,
             # without the calls (a training loop rebuilds each state two or three times
-            # per step; bench/README.md, run N).
-            value = children[0].array
-            if _kept_value(value):
+            # per step; bench/README.md, run N). The child is kept alone, and the values
+            # are read from it when needed (`_values`): each object a rebuild keeps alive
+            # is one more for Python's collector to walk (bench/README.md, run O).
+            kid = children[0]
+            if _kept_value(kid.array):
                 state = object.__new__(cls)
-                kept = (value,)
-                state._assign(kept, kept, _FROM_KIDS, label, tuple(children))
+                state._assign(_FROM_KIDS, _FROM_KIDS, _FROM_KIDS, label, kid)
                 return state
         kept = _kept_children(children, len(cls.fields))
         if kept is not None:
@@ -309,7 +332,7 @@ class LayerName:
 
 # The slots' setters (what `object.__setattr__` finds for each), for `_rebuild`.
 _VALUES, _LEAVES, _AXES, _LABEL, _KIDS = (
-    getattr(AbstractState, name).__set__ for name in ("_values", "_leaves", "_axes", "_label", "_kids")
+    getattr(AbstractState, name).__set__ for name in ("_vals", "_lvs", "_axes", "_label", "_kids")
 )
 
 
@@ -396,7 +419,8 @@ def _kept_value(value) -> bool:
 _TRACER = jax.core.Tracer
 
 
-# `_axes` of a state rebuilt from its kept children: read from them when first needed.
+# `_axes` of a state rebuilt from its kept children (and `_values` and `_leaves` of one
+# rebuilt from its one kept child): read from them when first needed.
 _FROM_KIDS = object()
 
 
