@@ -38,7 +38,10 @@ apart; the step time (median over interleaved rounds) and the host time a
 call of the jitted step takes: flattening the model and optimizer state in, the cache
 lookup and the dispatch, and rebuilding both out (`host_us`; it matters most on ``stack16``, whose compute
 is negligible); and the same call without the rebuilding, what ``eqx.filter_jit`` spends before the
-program runs (`dispatch_us`). ``--target h100`` compiles the same steps for an H100 without one (the
+program runs (`dispatch_us`); the objects Python's collector tracks that such a call leaves
+alive (`kept_objects`: the rebuilt trees), and the mean of that call over ``20 * --rounds``
+calls with the collector running (`host_mean_us`, its full passes included, which the
+median leaves out). ``--target h100`` compiles the same steps for an H100 without one (the
 CUDA plugin is needed: ``pip install "jax[cuda12]"``) and reports kernels only.
 
 Run::
@@ -281,6 +284,40 @@ def host_us(model, opt_state, x, y, rounds: int) -> float:
     return _median_call_s(call, rounds)
 
 
+def kept_objects(model, opt_state, x, y) -> int:
+    """How many objects Python's collector tracks that one call of `host_us`'s function
+    leaves alive (the rebuilt model and optimizer state: modules, states, arrays, and the
+    tuples and dictionaries they keep). Each is walked again by every full pass of the
+    collector, and the more a step keeps, the more often those passes come: on a model
+    whose compute is negligible they cost more than the rebuilding itself (bench/README.md,
+    run O). Counted with the collector paused, after three warm-up calls."""
+    same = eqx.filter_jit(lambda data, model, opt_state: (model, opt_state), donate="all-except-first")
+    state = [jax.tree.map(lambda a: a.copy() if eqx.is_array(a) else a, t) for t in (model, opt_state)]
+    for _ in range(3):
+        state[:] = jax.block_until_ready(same((x, y), *state))
+    gc.collect()
+    gc.disable()
+    try:
+        before = {id(o) for o in gc.get_objects()}
+        state[:] = jax.block_until_ready(same((x, y), *state))
+        return sum(id(o) not in before for o in gc.get_objects())
+    finally:
+        gc.enable()
+
+
+def host_mean_us(model, opt_state, x, y, calls: int) -> float:
+    """The mean time of `calls` calls of `host_us`'s function, in seconds, with Python's
+    collector running as it does in a training loop: its passes, which the median of
+    `host_us` leaves out, are in the mean."""
+    same = eqx.filter_jit(lambda data, model, opt_state: (model, opt_state), donate="all-except-first")
+    state = [jax.tree.map(lambda a: a.copy() if eqx.is_array(a) else a, t) for t in (model, opt_state)]
+    state[:] = jax.block_until_ready(same((x, y), *state))
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        state[:] = jax.block_until_ready(same((x, y), *state))
+    return (time.perf_counter() - t0) / calls
+
+
 def dispatch_us(model, opt_state, x, y, rounds: int) -> float:
     """The time `eqx.filter_jit` spends before the program runs, in seconds: the median
     time of a call of an `eqx.filter_jit` function of the step's arguments that computes
@@ -369,6 +406,8 @@ def run(args) -> dict[str, Any]:
                 row[v]["step_ms"] = 1e3 * statistics.median(times[v])
                 row[v]["host_us"] = 1e6 * host_us(*state[v], x, y, args.rounds)
                 row[v]["dispatch_us"] = 1e6 * dispatch_us(*state[v], x, y, args.rounds)
+                row[v]["kept_objects"] = kept_objects(*state[v], x, y)
+                row[v]["host_mean_us"] = 1e6 * host_mean_us(*state[v], x, y, 20 * args.rounds)
         if "plain" in row:
             for v in args.variants:
                 if v != "plain":
@@ -384,7 +423,7 @@ def table(results: dict[str, Any]) -> str:
         lines.append(f"{mname} ({row['converted_layers']} converted layers)")
         lines.append(
             f"  {'variant':14} {'leaves':>7} {'kernels':>8} {'+/layer':>8} {'first s':>8} {'lower s':>8} "
-            f"{'comp. s':>8} {'step ms':>8} {'host us':>8} {'disp. us':>8}"
+            f"{'comp. s':>8} {'step ms':>8} {'host us':>8} {'disp. us':>8} {'kept':>6} {'mean us':>8}"
         )
         for v, r in row.items():
             if not isinstance(r, dict):
@@ -394,7 +433,8 @@ def table(results: dict[str, Any]) -> str:
                 f"  {v:14} {r['leaves']:7d} {r['kernels']:8d} {'' if added is None else f'{added:+.1f}':>8} "
                 f"{r['first_step_s']:8.2f} {r['lower_s']:8.2f} {r['compile_s']:8.2f} "
                 f"{r.get('step_ms', float('nan')):8.2f} {r.get('host_us', float('nan')):8.0f} "
-                f"{r.get('dispatch_us', float('nan')):8.0f}"
+                f"{r.get('dispatch_us', float('nan')):8.0f} {r.get('kept_objects', -1):6d} "
+                f"{r.get('host_mean_us', float('nan')):8.0f}"
             )
     return "\n".join(lines)
 
