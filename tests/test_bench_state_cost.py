@@ -66,6 +66,12 @@ def test_dry_pass_and_the_bars(dry_run):
             assert r["first_step_s"] == pytest.approx(r["lower_s"] + r["compile_s"], rel=1e-9), (name, v)
             if name == "mlp":  # (the depth series is compiled, not timed)
                 assert row[v]["step_ms"] > 0 and row[v]["host_us"] > 0 and row[v]["dispatch_us"] > 0, (name, v)
+                assert row[v]["host_mean_us"] > 0 and row[v]["kept_objects"] > 0, (name, v)
+        if name == "mlp":
+            # What a call of the step leaves alive for Python's collector: per layer, at most
+            # three objects more than Haliax's (a state and its child per operand, where
+            # Haliax's module holds its arrays directly; bench/README.md, run O).
+            assert fp8ax["kept_objects"] - haliax["kept_objects"] <= 3 * layers, row
 
 
 HLO = """\
