@@ -155,6 +155,27 @@ def _compile_step(mesh, mode, policy=None):
     return step.lower(*args).compile().as_text()
 
 
+@pytest.mark.parametrize("calibrate", [False, True])
+def test_a_cpu_program_holds_no_optimization_barrier(calibrate):
+    # fp8ax's optimization barriers keep a call's scalar arithmetic apart for XLA:GPU.
+    # XLA:CPU in jax 0.12 keeps them through fusion and then computes each scalar they
+    # hold in a kernel of its own: bench/state_cost.py's MLP block took 58 kernels
+    # against 40 (jax 0.10 drops them before fusing). So a program lowered for CPU has
+    # none (`_formats.fenced`); the H100's keeps them (the next test).
+    dg = fp8ax.Fp8DotGeneral.init(fp8ax.DelayedScaling(calibrate_first_call=calibrate))
+    x, w = jnp.ones((8, 16)), jnp.ones((16, 4))
+    loss = lambda d, x, w: jnp.sum(d(x, w, DIMS) ** 2)  # noqa: E731
+    lowered = eqx.filter_jit(eqx.filter_grad(loss)).lower(dg, x, w)
+    text = getattr(lowered, "lowered", lowered).as_text()
+    assert "optimization_barrier" not in text
+
+
+def test_a_gpu_program_keeps_its_optimization_barriers(h100):
+    mesh, _ = h100
+    step, args = _step(mesh, "direct")
+    assert "optimization_barrier" in step.lower(*args).as_text()
+
+
 @pytest.mark.parametrize("mode", ["direct", "qdq"])
 def test_gemm_report_reads_a_gpu_program_compiled_here(h100, mode):
     # `fp8ax.gemm_report` on a step compiled ahead of time for an H100 (this process's

@@ -112,10 +112,12 @@ def select(pred: ArrayLike, on_true: ArrayLike, on_false: ArrayLike) -> Array:
 
 def computed_once(tree, *, fence: bool = True):
     """`tree`'s arrays, the same values (exactly), computed apart from what reads them:
-    behind an optimization barrier, and on CPU each computed once into a buffer.
+    on CPU each computed once into a buffer, elsewhere behind an optimization barrier
+    (see `fenced`).
 
-    XLA:CPU drops optimization barriers before it fuses, and then copies a chain of cheap
-    elementwise operations into every fusion that reads its result. A delayed scale is
+    A barrier does not keep XLA:CPU from copying a chain of cheap elementwise operations
+    into every fusion that reads its result (jax 0.10 drops barriers before it fuses;
+    jax 0.12 keeps them, at a kernel per value they hold: see `fenced`). A delayed scale is
     such a chain (some 20 to 40 scalar operations from the state to the scale), read by
     the casts, the GEMMs' output scaling (fused into the optimizer's update) and the next
     state: copied into each, it made up a third of a deep model's optimized program and
@@ -126,10 +128,10 @@ def computed_once(tree, *, fence: bool = True):
     rows, not one: XLA rewrites a reduction of two rows into its elementwise form, which
     is copied again. Other arrays pass unchanged.
 
-    The reduction is chosen per platform when the program is lowered
+    The reduction or the barrier is chosen per platform when the program is lowered
     (`lax.platform_dependent`, as `amax`): XLA:GPU does not copy such chains, and keeps
-    optimization barriers through fusion. With `fence=False` there is no barrier (the
-    caller fences what it returns): a barrier on a delayed-scaling plan before it is
+    optimization barriers through fusion. With `fence=False` there is no barrier either
+    (the caller fences what it returns): a barrier on a delayed-scaling plan before it is
     split per operand split XLA:GPU's scalar kernels (the H100 compile of
     bench/state_cost.py's MLP block with `calibrate_first_call=False`: 50 kernels against
     32), where the scales a call's casts use need theirs (56 kernels against 39 without
@@ -138,14 +140,34 @@ def computed_once(tree, *, fence: bool = True):
     leaves = [_as_array(leaf) for leaf in leaves]
     if not leaves:
         return tree
-    fenced = lax.platform_dependent(*leaves, cpu=_reduced, default=_as_list)
-    out = jax.tree.unflatten(treedef, list(fenced))
-    return lax.optimization_barrier(out) if fence else out
+    once = lax.platform_dependent(*leaves, cpu=_reduced, default=_barrier if fence else _as_list)
+    return jax.tree.unflatten(treedef, list(once))
+
+
+def fenced(tree):
+    """`lax.optimization_barrier(tree)` where the program is lowered for anything but a
+    CPU, `tree` unchanged on CPU (`lax.platform_dependent`, as `amax`).
+
+    The barriers fp8ax places keep XLA:GPU from merging a call's scalar arithmetic
+    (`computed_once`, the GEMM pipeline's plans). XLA:CPU in jax 0.10 drops barriers
+    before it fuses, so there they did nothing. XLA:CPU in jax 0.12 keeps them through
+    fusion, and then computes every scalar a barrier holds in a kernel of its own,
+    instead of in the kernels that read it: nine per layer of delayed scaling, 58 kernels
+    for bench/state_cost.py's MLP block against 40."""
+    leaves, treedef = jax.tree.flatten(tree)
+    if not leaves:
+        return tree
+    out = lax.platform_dependent(*[_as_array(leaf) for leaf in leaves], cpu=_as_list, default=_barrier)
+    return jax.tree.unflatten(treedef, list(out))
 
 
 def _as_list(*leaves) -> list:
     # (One function for every call: JAX caches the trace of a branch by its function.)
     return list(leaves)
+
+
+def _barrier(*leaves) -> list:
+    return list(lax.optimization_barrier(leaves))
 
 
 def _reduced(*leaves) -> list:

@@ -6,6 +6,7 @@
 import numpy as np
 from jax import lax
 
+from .._formats import fenced
 from .call import ROLES, Call, by_recipe, float32_of, grad_once, is_16_bit_float, is_fp8_dtype, role_dtype
 from .settings import Role, stateful_recipe
 
@@ -18,10 +19,11 @@ def plan_call(call: Call, states: dict) -> tuple[dict, dict]:
     Also the output scale of each GEMM whose two operands have planned scales (known
     from the state alone, delayed scaling after its first call) and whose scales go into
     its epilogue: their product, computed here beside the scales. The plans and the
-    products go behind one optimization barrier. Without it XLA:GPU merges the scalar
-    arithmetic of a cast's scale with that of the next state (which reads the tensor's
-    amax), and the FP8 cast waits on the reduction of its own input; and a product
-    computed next to its GEMM is a kernel of its own on the cuBLASLt path."""
+    products go behind one optimization barrier (not on CPU: `_formats.fenced`). Without
+    it XLA:GPU merges the scalar arithmetic of a cast's scale with that of the next state
+    (which reads the tensor's amax), and the FP8 cast waits on the reduction of its own
+    input; and a product computed next to its GEMM is a kernel of its own on the
+    cuBLASLt path."""
     plans = dict.fromkeys(ROLES)
     roles = [r for r in ROLES if states[r] is not None]
     if "fwd" in call.settings.high_precision_gemms:
@@ -41,7 +43,7 @@ def plan_call(call: Call, states: dict) -> tuple[dict, dict]:
         sa, sb = scales.get(a), scales.get(b)
         if sa is not None and sb is not None and _epilogue_scaled(call, name, a, b, out_dtype):
             products[name] = lax.mul(float32_of(sa), float32_of(sb))
-    return lax.optimization_barrier((plans, products))
+    return fenced((plans, products))
 
 
 # The three GEMMs of a call: (name, its operands in order, the dtype it writes).

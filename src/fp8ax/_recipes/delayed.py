@@ -445,7 +445,7 @@ class DelayedScaling(AbstractStatefulRecipe):
         states = _required_states([op.state for op in operands])
         if any(op.plan is None for op in operands):
             plans = self.plan(states, [op.dtype for op in operands])
-            plans = lax.optimization_barrier(plans)  # see below (the pipeline does this itself)
+            plans = _formats.fenced(plans)  # see below (the pipeline does this itself)
             operands = [op._replace(plan=p) for op, p in zip(operands, plans)]
         scales, seen_amaxes, fresh = [], [], []
         for i, (op, state) in enumerate(zip(operands, states)):  # (`_replace` keeps the order)
