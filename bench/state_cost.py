@@ -267,54 +267,56 @@ def kernels(hlo: str) -> int:
 
 def host_us(model, opt_state, x, y, rounds: int) -> float:
     """The host's share of a call of a jitted step on these arguments, in seconds: the
-    median time of an `eqx.filter_jit` function of the same arguments that returns the
-    model and optimizer state as they came (donated, so the program copies nothing):
-    the same flattening of both in, the same cache lookup and dispatch, and the same
-    rebuilding of both out (Equinox's `combine` of the program's outputs with the
-    static half), for a program that computes nothing."""
+    median time of `_host_call`'s call (see there), for a program that computes nothing."""
+    return _median_call_s(_host_call(model, opt_state, x, y), rounds)
+
+
+def _host_call(model, opt_state, x, y):
+    """A call of an `eqx.filter_jit` function of the step's arguments that returns the
+    model and optimizer state as they came (donated, so the program copies nothing): the
+    same flattening of both in, the same cache lookup and dispatch, and the same
+    rebuilding of both out (Equinox's `combine` of the program's outputs with the static
+    half) as the step's. Each call replaces the state it holds with what it returned."""
     # (The data first, the one argument not donated.)
     same = eqx.filter_jit(lambda data, model, opt_state: (model, opt_state), donate="all-except-first")
-    model = jax.tree.map(lambda a: a.copy() if eqx.is_array(a) else a, model)  # (the model is donated)
-    opt_state = jax.tree.map(lambda a: a.copy() if eqx.is_array(a) else a, opt_state)
-    state = [model, opt_state]
+    # (Copies: the model and optimizer state are donated.)
+    state = [jax.tree.map(lambda a: a.copy() if eqx.is_array(a) else a, t) for t in (model, opt_state)]
 
     def call():
         state[:] = jax.block_until_ready(same((x, y), *state))  # (the donated inputs are gone)
 
-    return _median_call_s(call, rounds)
+    return call
 
 
 def kept_objects(model, opt_state, x, y) -> int:
-    """How many objects Python's collector tracks that one call of `host_us`'s function
-    leaves alive (the rebuilt model and optimizer state: modules, states, arrays, and the
+    """How many objects Python's collector tracks that one call of `_host_call`'s leaves
+    alive (the rebuilt model and optimizer state: modules, states, arrays, and the
     tuples and dictionaries they keep). Each is walked again by every full pass of the
     collector, and the more a step keeps, the more often those passes come: on a model
     whose compute is negligible they cost more than the rebuilding itself (bench/README.md,
     run O). Counted with the collector paused, after three warm-up calls."""
-    same = eqx.filter_jit(lambda data, model, opt_state: (model, opt_state), donate="all-except-first")
-    state = [jax.tree.map(lambda a: a.copy() if eqx.is_array(a) else a, t) for t in (model, opt_state)]
+    call = _host_call(model, opt_state, x, y)
     for _ in range(3):
-        state[:] = jax.block_until_ready(same((x, y), *state))
+        call()
     gc.collect()
     gc.disable()
     try:
         before = {id(o) for o in gc.get_objects()}
-        state[:] = jax.block_until_ready(same((x, y), *state))
+        call()
         return sum(id(o) not in before for o in gc.get_objects())
     finally:
         gc.enable()
 
 
 def host_mean_us(model, opt_state, x, y, calls: int) -> float:
-    """The mean time of `calls` calls of `host_us`'s function, in seconds, with Python's
-    collector running as it does in a training loop: its passes, which the median of
-    `host_us` leaves out, are in the mean."""
-    same = eqx.filter_jit(lambda data, model, opt_state: (model, opt_state), donate="all-except-first")
-    state = [jax.tree.map(lambda a: a.copy() if eqx.is_array(a) else a, t) for t in (model, opt_state)]
-    state[:] = jax.block_until_ready(same((x, y), *state))
+    """The mean time of `calls` calls of `_host_call`'s, in seconds, after one to compile,
+    with Python's collector running as it does in a training loop: its passes, which the
+    median of `host_us` leaves out, are in the mean."""
+    call = _host_call(model, opt_state, x, y)
+    call()
     t0 = time.perf_counter()
     for _ in range(calls):
-        state[:] = jax.block_until_ready(same((x, y), *state))
+        call()
     return (time.perf_counter() - t0) / calls
 
 

@@ -136,12 +136,7 @@ def computed_once(tree, *, fence: bool = True):
     bench/state_cost.py's MLP block with `calibrate_first_call=False`: 50 kernels against
     32), where the scales a call's casts use need theirs (56 kernels against 39 without
     it, default recipe)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    leaves = [_as_array(leaf) for leaf in leaves]
-    if not leaves:
-        return tree
-    once = lax.platform_dependent(*leaves, cpu=_reduced, default=_barrier if fence else _as_list)
-    return jax.tree.unflatten(treedef, list(once))
+    return _per_platform(tree, cpu=_reduced, default=_barrier if fence else _as_list)
 
 
 def fenced(tree):
@@ -154,10 +149,16 @@ def fenced(tree):
     fusion, and then computes every scalar a barrier holds in a kernel of its own,
     instead of in the kernels that read it: nine per layer of delayed scaling, 58 kernels
     for bench/state_cost.py's MLP block against 40."""
+    return _per_platform(tree, cpu=_as_list, default=_barrier)
+
+
+def _per_platform(tree, *, cpu, default):
+    """`tree`'s arrays through `cpu` or `default` (functions of the flat arrays that
+    return a list of as many), chosen when the program is lowered."""
     leaves, treedef = jax.tree.flatten(tree)
     if not leaves:
         return tree
-    out = lax.platform_dependent(*[_as_array(leaf) for leaf in leaves], cpu=_as_list, default=_barrier)
+    out = lax.platform_dependent(*[_as_array(leaf) for leaf in leaves], cpu=cpu, default=default)
     return jax.tree.unflatten(treedef, list(out))
 
 
