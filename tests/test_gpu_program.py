@@ -16,10 +16,12 @@ import warnings
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax import lax
 
 import fp8ax
+from fp8ax import _boundaries
 
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench"
 DIMS = (((1,), (0,)), ((), ()))
@@ -174,6 +176,55 @@ def test_a_gpu_program_keeps_its_optimization_barriers(h100):
     mesh, _ = h100
     step, args = _step(mesh, "direct")
     assert "optimization_barrier" in step.lower(*args).as_text()
+    # With the GPU plugin this process can compile for a GPU: both branches are traced.
+    assert not _boundaries.lowers_for_cpu_only()
+
+
+def _grad_jaxpr_and_values(dg, x, w):
+    jax.clear_caches()  # (JAX keeps the traces of fp8ax's inner `jit`s)
+    # The gradients of the state (its new value), of the input and of the kernel.
+    loss = lambda args: jnp.sum(args[0](args[1], args[2], DIMS) ** 2)  # noqa: E731
+    jaxpr = str(eqx.filter_make_jaxpr(eqx.filter_grad(loss))((dg, x, w))[0])
+    return jaxpr, jax.tree.leaves(eqx.filter_jit(eqx.filter_grad(loss))((dg, x, w)))
+
+
+@pytest.mark.parametrize("recipe", [fp8ax.DelayedScaling(), fp8ax.CurrentScaling()])
+def test_a_cpu_only_process_traces_the_cpu_branch_alone(recipe, getkey, monkeypatch):
+    # `_formats.platform_dependent` (the amax, `computed_once`, the delayed-scaling plan,
+    # `fenced`): where the process has no backend but its CPU and no GPU plugin, only the
+    # CPU's branch is traced, and the step's values are those of the program with both.
+    if not _boundaries.lowers_for_cpu_only():
+        pytest.skip("this process can compile for a GPU (JAX's GPU plugin is installed)")
+    dg = fp8ax.Fp8DotGeneral.init(recipe)
+    x, w = jax.random.normal(getkey(), (8, 16)), jax.random.normal(getkey(), (16, 4))
+    alone, values = _grad_jaxpr_and_values(dg, x, w)
+    assert "platform_index" not in alone and "branches_platforms" not in alone
+    monkeypatch.setattr(_boundaries, "_CPU_ONLY", False)
+    both, values_both = _grad_jaxpr_and_values(dg, x, w)
+    assert "platform_index" in both and "branches_platforms" in both
+    assert len(values) == len(values_both) == (5 if isinstance(recipe, fp8ax.DelayedScaling) else 2)
+    for a, b in zip(values, values_both):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # bit for bit
+    monkeypatch.undo()
+    jax.clear_caches()  # (the traces with both branches go)
+
+
+def test_lowers_for_cpu_only_reads_the_backends_once(monkeypatch):
+    # Decided at the first call and kept: a registry JAX no longer has means both branches.
+    monkeypatch.setattr(_boundaries, "_CPU_ONLY", None)
+    from jax._src import xla_bridge
+
+    monkeypatch.delattr(xla_bridge, "_backend_factories")
+    assert _boundaries.lowers_for_cpu_only() is False
+    monkeypatch.setattr(xla_bridge, "_backend_factories", {"cpu": None, "cuda": None}, raising=False)
+    assert _boundaries.lowers_for_cpu_only() is False  # (kept)
+    monkeypatch.setattr(_boundaries, "_CPU_ONLY", None)
+    assert _boundaries.lowers_for_cpu_only() is False  # a GPU plugin registered
+    # The factories JAX registers whatever is installed.
+    monkeypatch.setattr(xla_bridge, "_backend_factories", {"cpu": None, "tpu": None, "proxy": None})
+    monkeypatch.setattr(_boundaries, "_CPU_ONLY", None)
+    cpu_only = set(xla_bridge.backends()) == {"cpu"} and importlib.util.find_spec("libtpu") is None
+    assert _boundaries.lowers_for_cpu_only() is cpu_only
 
 
 @pytest.mark.parametrize("mode", ["direct", "qdq"])

@@ -37,6 +37,7 @@
 # cached from an earlier `vmap` that mapped the state too (an ensemble), then reused
 # inside a per-example `cond`. JAX's caches give fp8ax no hook there.
 
+import importlib.util
 import sys
 
 import jax
@@ -53,6 +54,34 @@ def vma(x) -> frozenset:
     aval = jax.typeof(x)
     mat = getattr(aval, "manual_axis_type", None)  # jax 0.10; older releases call it `vma`
     return frozenset(mat.varying if mat is not None else getattr(aval, "vma", None) or ())
+
+
+def lowers_for_cpu_only() -> bool:
+    """Whether this process can compile for its CPU only: JAX made no backend but the CPU,
+    and no plugin that compiles for another platform without its device is installed
+    (JAX's CUDA or ROCm plugin, libtpu). False if JAX's registry cannot be read. Decided
+    once per process, at the first call (which makes JAX's backends, as the first `jit`
+    would)."""
+    global _CPU_ONLY
+    if _CPU_ONLY is None:
+        try:
+            from jax._src import xla_bridge  # (read here, as the rules above)
+
+            platforms = {jax.default_backend(), *xla_bridge.backends()}  # (registers the plugins)
+            # JAX registers these factories whatever is installed: "tpu" makes a backend
+            # only with libtpu, "proxy" only for a remote it is told to reach.
+            factories = set(xla_bridge._backend_factories)
+            _CPU_ONLY = (
+                platforms == {"cpu"}
+                and factories <= {"cpu", "tpu", "proxy"}
+                and importlib.util.find_spec("libtpu") is None
+            )
+        except Exception:  # a JAX without this registry: both branches, as before
+            _CPU_ONLY = False
+    return _CPU_ONLY
+
+
+_CPU_ONLY: bool | None = None
 
 
 def _codes(module, *names):

@@ -7,7 +7,7 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, ArrayLike
 
-from ._boundaries import vma
+from ._boundaries import lowers_for_cpu_only, vma
 
 # The 8-bit floating-point formats fp8ax quantizes to.
 FP8_DTYPES: tuple[np.dtype, ...] = tuple(
@@ -129,7 +129,7 @@ def computed_once(tree, *, fence: bool = True):
     is copied again. Other arrays pass unchanged.
 
     The reduction or the barrier is chosen per platform when the program is lowered
-    (`lax.platform_dependent`, as `amax`): XLA:GPU does not copy such chains, and keeps
+    (`platform_dependent`, as `amax`): XLA:GPU does not copy such chains, and keeps
     optimization barriers through fusion. With `fence=False` there is no barrier either
     (the caller fences what it returns): a barrier on a delayed-scaling plan before it is
     split per operand split XLA:GPU's scalar kernels (the H100 compile of
@@ -141,7 +141,7 @@ def computed_once(tree, *, fence: bool = True):
 
 def fenced(tree):
     """`lax.optimization_barrier(tree)` where the program is lowered for anything but a
-    CPU, `tree` unchanged on CPU (`lax.platform_dependent`, as `amax`).
+    CPU, `tree` unchanged on CPU (`platform_dependent`, as `amax`).
 
     The barriers fp8ax places keep XLA:GPU from merging a call's scalar arithmetic
     (`computed_once`, the GEMM pipeline's plans). XLA:CPU in jax 0.10 drops barriers
@@ -152,13 +152,31 @@ def fenced(tree):
     return _per_platform(tree, cpu=_as_list, default=_barrier)
 
 
+def platform_dependent(*args: Array, cpu, default):
+    """`lax.platform_dependent(*args, cpu=cpu, default=default)`: `cpu(*args)` where the
+    program is lowered for a CPU, `default(*args)` elsewhere. Where this process can
+    lower programs for its CPU only (`lowers_for_cpu_only`), `cpu(*args)` alone.
+
+    `lax.platform_dependent` traces both branches and puts both in the program, with a
+    conditional on the platform that lowering resolves. fp8ax takes it a few times per
+    layer and call (`amax`, `computed_once`, the delayed-scaling plan), and the branches
+    no CPU takes were 9% of a CPU program's traced equations (bench/state_cost.py's
+    16-block stack and Stacked decoder) and up to 15% of its trace and lowering
+    (bench/README.md, run Q). Both branches compute the same values; they differ in the
+    program XLA makes of them, so the rare program traced here and lowered for another
+    platform anyway (`jax.export` with `platforms=`) computes the same, in the CPU's form."""
+    if lowers_for_cpu_only():
+        return cpu(*args)
+    return lax.platform_dependent(*args, cpu=cpu, default=default)
+
+
 def _per_platform(tree, *, cpu, default):
     """`tree`'s arrays through `cpu` or `default` (functions of the flat arrays that
     return a list of as many), chosen when the program is lowered."""
     leaves, treedef = jax.tree.flatten(tree)
     if not leaves:
         return tree
-    out = lax.platform_dependent(*[_as_array(leaf) for leaf in leaves], cpu=cpu, default=default)
+    out = platform_dependent(*[_as_array(leaf) for leaf in leaves], cpu=cpu, default=default)
     return jax.tree.unflatten(treedef, list(out))
 
 
@@ -211,8 +229,9 @@ def amax(x: ArrayLike, axes: tuple[int, ...] | None = None, *, keepdims: bool = 
     """max |x| as float32, over `axes` (all of them by default; kept as size-1 dims with
     `keepdims`); not finite (inf or NaN) where any element reduced is NaN or inf.
 
-    Chosen per platform when the program is lowered (`lax.platform_dependent`, so a
-    program compiled ahead of time for a GPU on a CPU host gets the GPU's form): a plain
+    Chosen per platform when the program is lowered (`platform_dependent`, so a
+    program compiled ahead of time for a GPU on a CPU host with JAX's GPU plugin gets
+    the GPU's form): a plain
     max reduction everywhere but on CPU. XLA's `max` propagates NaN, but the CPU backend
     of jax 0.10 hands the reductions it can to YNNPACK, whose kernel skips NaNs
     (`jnp.max(jnp.abs(x))` of a 256x1024 array holding one NaN returns the largest
@@ -238,7 +257,7 @@ def amax(x: ArrayLike, axes: tuple[int, ...] | None = None, *, keepdims: bool = 
     x = _as_array(x)
     axes = tuple(range(x.ndim)) if axes is None else tuple(sorted({a % x.ndim for a in axes}))
     cpu, default = _amax_branches(axes, keepdims)
-    return lax.platform_dependent(x, cpu=cpu, default=default)
+    return platform_dependent(x, cpu=cpu, default=default)
 
 
 @functools.cache

@@ -120,7 +120,7 @@ def _read_apart(*states, newest: bool) -> tuple:
     each stacked along a new last axis (`newest`, each history's newest stored entry:
     None unless asked for): each state read apart, its history's bounds in one variadic
     reduction with the others'. States in the `(data,)` form arrive as bare arrays (the
-    branch of `lax.platform_dependent`)."""
+    branch of `_formats.platform_dependent`)."""
     states = [state if isinstance(state, tuple) else (state,) for state in states]
     units, scales, histories = stored_columns(states)
     last = units.ndim - 1
@@ -388,7 +388,7 @@ class DelayedScaling(AbstractStatefulRecipe):
             if all(len(state) == 1 for state in group):
                 datas = [as_f32(jnp.asarray(state[0])) for state in group]
                 cpu, default = _read_branches(newest)
-                units, scales, longest, lowest, past = lax.platform_dependent(*datas, cpu=cpu, default=default)
+                units, scales, longest, lowest, past = _formats.platform_dependent(*datas, cpu=cpu, default=default)
             else:
                 units, scales, longest, lowest, past = _read_apart(*group, newest=newest)
             inv_units = unit_inverse(units)
