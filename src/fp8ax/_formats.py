@@ -229,10 +229,9 @@ def amax(x: ArrayLike, axes: tuple[int, ...] | None = None, *, keepdims: bool = 
     """max |x| as float32, over `axes` (all of them by default; kept as size-1 dims with
     `keepdims`); not finite (inf or NaN) where any element reduced is NaN or inf.
 
-    Chosen per platform when the program is lowered (`platform_dependent`, so a
-    program compiled ahead of time for a GPU on a CPU host with JAX's GPU plugin gets
-    the GPU's form): a plain
-    max reduction everywhere but on CPU. XLA's `max` propagates NaN, but the CPU backend
+    Chosen per platform when the program is lowered (`platform_dependent`, so a program
+    compiled ahead of time for a GPU on a CPU host with JAX's GPU plugin gets the GPU's
+    form): a plain max reduction everywhere but on CPU. XLA's `max` propagates NaN, but the CPU backend
     of jax 0.10 hands the reductions it can to YNNPACK, whose kernel skips NaNs
     (`jnp.max(jnp.abs(x))` of a 256x1024 array holding one NaN returns the largest
     finite value; with `--xla_cpu_experimental_ynn_fusion_type=` it returns NaN, and a
