@@ -559,6 +559,13 @@ def test_takes_every_argument_of_jax_dot_general(getkey):
     with pytest.raises(ValueError) as mine:
         dg(x, w, DIMS, out_sharding=P("data"))
     assert str(mine.value) == str(theirs.value)
+    # `reduction_order` (jax >= 0.12.1): None, as `jnp.einsum` leaves it, computes the same;
+    # an order for the sums is refused by name (an FP8 GEMM sums in its kernel's order).
+    none = _fwd_and_grads(lambda x, w, d: dg(x, w, d, reduction_order=None), x, w, gy)
+    for a, b in zip(want, none, strict=True):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    with pytest.raises(NotImplementedError, match=r"`fp8ax.Fp8DotGeneral` takes no `reduction_order` \(got 'linear'\)"):
+        dg(x, w, DIMS, reduction_order="linear")
 
 
 def test_ragged_and_serving_ops_take_out_sharding(getkey):
@@ -574,6 +581,9 @@ def test_ragged_and_serving_ops_take_out_sharding(getkey):
     x, w = jax.random.normal(getkey(), (8, 16)), jax.random.normal(getkey(), (2, 16, 4))
     sizes = jnp.array([3, 5], jnp.int32)
     np.testing.assert_array_equal(np.asarray(op(x, w, sizes, out_sharding=nowhere)), np.asarray(op(x, w, sizes)))
+    np.testing.assert_array_equal(np.asarray(op(x, w, sizes, reduction_order=None)), np.asarray(op(x, w, sizes)))
+    with pytest.raises(NotImplementedError, match=r"`fp8ax.Fp8RaggedDot` takes no `reduction_order`"):
+        op(x, w, sizes, reduction_order="linear")
     lin = fp8ax.fp8_linear_layers(eqx.nn.Linear(16, 4, key=getkey()), fp8ax.Fp8Config(recipe=fp8ax.CurrentScaling()))
     serving = fp8ax.to_serving(lin)
     from fp8ax._serving.codec import decode
@@ -584,3 +594,6 @@ def test_ragged_and_serving_ops_take_out_sharding(getkey):
     plain = sdg(x, values, dims)
     assert plain.shape == (8, 4)
     np.testing.assert_array_equal(np.asarray(sdg(x, values, dims, out_sharding=nowhere)), np.asarray(plain))
+    np.testing.assert_array_equal(np.asarray(sdg(x, values, dims, reduction_order=None)), np.asarray(plain))
+    with pytest.raises(NotImplementedError, match=r"`fp8ax.ServingDotGeneral` takes no `reduction_order`"):
+        sdg(x, values, dims, reduction_order="linear")

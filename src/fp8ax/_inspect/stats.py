@@ -133,8 +133,9 @@ class _Capture(eqx.Module):
     index: Array  # int32 of the stacked shape: which stacked layer (sliced with the state)
     slot: int = eqx.field(static=True)  # the layer's position in `fp8_layers(model)`
 
-    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, out_sharding=None):
-        out = self.inner(lhs, rhs, dimension_numbers, precision, preferred_element_type, out_sharding=out_sharding)
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **keywords):
+        # (`keywords`: `out_sharding` and `reduction_order`, which `inner` checks.)
+        out = self.inner(lhs, rhs, dimension_numbers, precision, preferred_element_type, **keywords)
         st = self.inner.settings
         if "fwd" in st.high_precision_gemms:
             return out

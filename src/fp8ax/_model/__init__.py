@@ -24,6 +24,7 @@ from .dot_general import (
     Fp8DotGeneral as Fp8DotGeneral,
     check_explicit_sharding as check_explicit_sharding,
     check_operand as check_operand,
+    check_reduction_order as check_reduction_order,
     make_call as make_call,
     with_out_sharding as with_out_sharding,
 )

@@ -128,6 +128,7 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
         preferred_element_type=None,
         *,
         out_sharding=None,
+        reduction_order=None,
     ) -> Array:
         """`jax.lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
         out_sharding=out_sharding)` computed on FP8-quantized operands.
@@ -143,6 +144,10 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
         - `out_sharding`: the result's sharding, as for `jax.lax.dot_general` (a
           `PartitionSpec` or `NamedSharding` of explicit mesh axes; Haliax passes one under
           an explicit mesh, None otherwise). (Keyword only argument.)
+        - `reduction_order`: must be None (the default). `jax.lax.dot_general` takes it from
+          jax 0.12.1 on, to set the order of the contraction's sums; an FP8 GEMM sums in its
+          kernel's order, so any other value raises `NotImplementedError`. (Keyword only
+          argument.)
 
         **Returns:**
 
@@ -150,6 +155,7 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
         arguments (bf16 operands give a bf16 result unless `preferred_element_type` says
         otherwise), sharded as `out_sharding` says.
         """
+        check_reduction_order(reduction_order, "fp8ax.Fp8DotGeneral")
         st = self.settings
         lhs = check_operand(lhs, "lhs")
         rhs = check_operand(rhs, "rhs")
@@ -353,6 +359,19 @@ def _out_dtype(lhs_shape, lhs_dtype, rhs_shape, rhs_dtype, dims, preferred) -> n
         jax.ShapeDtypeStruct(rhs_shape, rhs_dtype),
     )
     return np.dtype(out.dtype)
+
+
+def check_reduction_order(reduction_order, op: str) -> None:
+    """Refuses a `reduction_order` other than None, the keyword `jax.lax.dot_general` and
+    `jax.lax.ragged_dot` take from jax 0.12.1 on (an order for the contraction's sums):
+    an FP8 GEMM sums in its kernel's own order. `jnp.einsum` passes it to its
+    `_dot_general` only when it is set."""
+    if reduction_order is not None:
+        raise NotImplementedError(
+            f"`{op}` takes no `reduction_order` (got {reduction_order!r}): an FP8 GEMM sums its products in the "
+            "order of the GEMM kernel, which fp8ax does not choose. Leave the layers whose sums need an order in "
+            "high precision (`fp8ax.Fp8Config(targets=...)`)."
+        )
 
 
 def check_operand(x, argname: str) -> Array:

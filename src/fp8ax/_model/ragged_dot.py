@@ -25,7 +25,13 @@ from .._gemm import (
     settings_from,
 )
 from .._recipes import AbstractScalingRecipe
-from .dot_general import Fp8DotGeneral, check_explicit_sharding, check_operand, with_out_sharding
+from .dot_general import (
+    Fp8DotGeneral,
+    check_explicit_sharding,
+    check_operand,
+    check_reduction_order,
+    with_out_sharding,
+)
 
 
 class Fp8RaggedDot(Fp8DotGeneral):
@@ -173,6 +179,8 @@ class Fp8RaggedDot(Fp8DotGeneral):
         preferred_element_type=None,
         group_offset=None,
         out_sharding=None,
+        *,
+        reduction_order=None,
     ) -> Array:
         """`jax.lax.ragged_dot(lhs, rhs, group_sizes, precision, preferred_element_type,
         group_offset, out_sharding)` computed on quantized operands.
@@ -189,6 +197,8 @@ class Fp8RaggedDot(Fp8DotGeneral):
         - `group_offset`: not supported (must be None).
         - `out_sharding`: the result's sharding, as for `jax.lax.ragged_dot`. (Operands
           sharded over explicit mesh axes are not supported.)
+        - `reduction_order`: must be None (the default), as for
+          [`fp8ax.Fp8DotGeneral`][]. (Keyword only argument.)
 
         **Returns:**
 
@@ -196,6 +206,7 @@ class Fp8RaggedDot(Fp8DotGeneral):
         """
         if group_offset is not None:
             raise NotImplementedError("`group_offset` is not supported by `Fp8RaggedDot`; pass None.")
+        check_reduction_order(reduction_order, "fp8ax.Fp8RaggedDot")
         st = self.settings
         lhs = check_operand(lhs, "lhs")
         rhs = check_operand(rhs, "rhs")

@@ -35,6 +35,7 @@ from .._gemm import (
 from .._model import (
     check_explicit_sharding,
     check_operand,
+    check_reduction_order,
     make_call,
     with_out_sharding,
 )
@@ -127,19 +128,29 @@ class ServingDotGeneral(eqx.Module):
 
     @jax.named_scope("fp8ax.ServingDotGeneral")
     def __call__(
-        self, lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, *, out_sharding=None
+        self,
+        lhs,
+        rhs,
+        dimension_numbers,
+        precision=None,
+        preferred_element_type=None,
+        *,
+        out_sharding=None,
+        reduction_order=None,
     ) -> Array:
         """`jax.lax.dot_general(lhs, rhs, dimension_numbers, precision,
         preferred_element_type, out_sharding=out_sharding)` where one of `lhs`, `rhs` is
         the stored weight (its low-precision values, or the array `fp8ax.to_serving` stored,
         FP8 and FP4 as uint8 bits) and the other the activation. (Operands sharded over
-        explicit mesh axes are not supported.)
+        explicit mesh axes are not supported.) `reduction_order` must be None, as for
+        [`fp8ax.Fp8DotGeneral`][].
 
         **Returns:**
 
         What the training layer's [`fp8ax.Fp8DotGeneral`][] returned for the same
         activation, bit for bit.
         """
+        check_reduction_order(reduction_order, "fp8ax.ServingDotGeneral")
         lhs, rhs = self._decoded(lhs), self._decoded(rhs)
         lhs_lp = _is_low_precision(getattr(lhs, "dtype", np.float32))
         rhs_lp = _is_low_precision(getattr(rhs, "dtype", np.float32))
