@@ -28,9 +28,10 @@ import sys
 # A process started by `--processes N` (see `launch`) has 8 / N CPU devices.
 _CHILD = "--process-id" in sys.argv
 if _CHILD:
-    os.environ["XLA_FLAGS"] = (
-        f"--xla_force_host_platform_device_count={8 // int(sys.argv[sys.argv.index('--num-processes') + 1])}"
-    )
+    # The parent's XLA_FLAGS, with this process's device count in place of the parent's.
+    _flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    _devices = 8 // int(sys.argv[sys.argv.index("--num-processes") + 1])
+    os.environ["XLA_FLAGS"] = " ".join([*_flags, f"--xla_force_host_platform_device_count={_devices}"])
     os.environ["JAX_PLATFORMS"] = "cpu"
 elif "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     # Must happen before JAX starts.

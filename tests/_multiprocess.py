@@ -42,7 +42,10 @@ parser.add_argument("--models", default="haliax,equinox")
 args = parser.parse_args()
 
 # Before JAX starts.
-os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+# (After the flags the test gave: tests/conftest.py's `xla_flags`.)
+os.environ["XLA_FLAGS"] = (
+    f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={args.devices}".strip()
+)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import equinox as eqx  # noqa: E402

@@ -1,11 +1,50 @@
 import functools
+import importlib.metadata
 import importlib.util
 import os
+import sys
 import warnings
 import zlib
 
-import jax
-import pytest
+
+# --- XLA:CPU's LLVM back end at -O0 where the tests can only run on the CPU ---
+#
+# Most of the suite's time is XLA:CPU compiling small programs, and most of a compile is
+# LLVM optimising the kernels' machine code, which the tests' tiny arrays never repay:
+# at -O0 the whole suite took a third less time (bench/README.md, "How long the tests
+# take"). The HLO XLA builds (the fusions, the FP8 casts and GEMMs the tests look for) is
+# the same; only the machine code of each kernel is less optimised. Set before JAX reads
+# XLA_FLAGS (at its first backend, after this), and kept by the suite's subprocesses
+# (`SUITE_XLA_FLAGS`). Not where a GPU or TPU plugin is installed (the GPU tests, CI's
+# deviceless H100 compile): those compile as a user's program does. FP8AX_TEST_XLA_OPT=1
+# keeps XLA's default optimisation level everywhere.
+def cpu_only_install() -> bool:
+    """No JAX plugin for another platform (CUDA, ROCm: the `jax_plugins` namespace or
+    entry points) and no libtpu is installed."""
+    return (
+        importlib.util.find_spec("jax_plugins") is None
+        and not importlib.metadata.entry_points(group="jax_plugins")
+        and importlib.util.find_spec("libtpu") is None
+    )
+
+
+SUITE_XLA_FLAGS = (
+    "--xla_backend_optimization_level=0" if os.environ.get("FP8AX_TEST_XLA_OPT") != "1" and cpu_only_install() else ""
+)
+if SUITE_XLA_FLAGS and SUITE_XLA_FLAGS not in os.environ.get("XLA_FLAGS", "").split():
+    if getattr(sys.modules.get("jax._src.xla_bridge"), "_backends", None):  # (read by then: too late)
+        raise RuntimeError("tests/conftest.py: JAX made its backends before the suite's XLA_FLAGS were set")
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {SUITE_XLA_FLAGS}".strip()
+
+
+def xla_flags(*extra: str) -> str:
+    """XLA_FLAGS for a subprocess of the suite: the suite's own (`SUITE_XLA_FLAGS`) and
+    `extra`."""
+    return " ".join(filter(None, (SUITE_XLA_FLAGS, *extra)))
+
+
+import jax  # noqa: E402 (after XLA_FLAGS)
+import pytest  # noqa: E402
 
 # On a GPU, JAX preallocates 75% of the GPU's memory in each process that uses it, and the
 # suite runs up to 4 xdist workers (addopts): the second would run out of memory. Allocate

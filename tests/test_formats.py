@@ -193,7 +193,11 @@ def test_as_fp8_dtype_rejects_non_fp8():
 def test_computed_once_keeps_every_value_bit_for_bit():
     # NaN, infinities, signed zeros, the smallest subnormal and the largest float32, and
     # booleans, in a tree of scalars and small arrays: the reduction against -inf returns
-    # each of them unchanged.
+    # each of them unchanged. A subnormal may come back as a zero of its sign: XLA:CPU
+    # runs its kernels with subnormals flushed to zero (`x * 1` flushes them too), and
+    # the max is only skipped where LLVM folds it away (XLA's default optimisation; the
+    # suite's -O0, tests/conftest.py, runs it). fp8ax's scales are never subnormal (they
+    # are at least the smallest normal float32, `DelayedScaling._checked`).
     specials = np.array(
         [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, -1e-45, 3.4028235e38, -3.4028235e38, 1.0, 448.0], np.float32
     )
@@ -211,7 +215,10 @@ def test_computed_once_keeps_every_value_bit_for_bit():
     for key in ("vector", "scalar", "matrix"):
         got = np.asarray(out[key])
         assert got.dtype == np.float32 and got.shape == np.shape(tree[key])
-        np.testing.assert_array_equal(got.view(np.uint32), np.asarray(tree[key], np.float32).view(np.uint32))
+        want = np.asarray(tree[key], np.float32)
+        subnormal = (want != 0) & (np.abs(want) < np.finfo(np.float32).tiny)
+        flushed = np.where(subnormal & (got == 0) & (np.signbit(got) == np.signbit(want)), got, want)
+        np.testing.assert_array_equal(got.view(np.uint32), flushed.view(np.uint32))
     for key in ("flags", "flag", "count"):
         assert np.asarray(out[key]).dtype == np.asarray(tree[key]).dtype
         np.testing.assert_array_equal(np.asarray(out[key]), tree[key])

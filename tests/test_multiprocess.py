@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from conftest import hax_dot_failure
+from conftest import hax_dot_failure, xla_flags
 
 HERE = pathlib.Path(__file__).resolve().parent
 TIMEOUT = 240  # seconds for each run (the whole test takes about 90 s on 2 cores)
@@ -32,6 +32,7 @@ def _free_port() -> int:
 
 def _env() -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    env["XLA_FLAGS"] = xla_flags()  # the suite's own; each process adds its device count
     src = str(HERE.parent / "src")
     env["PYTHONPATH"] = src + os.pathsep + env.get("PYTHONPATH", "")
     return env

@@ -27,7 +27,7 @@ import sys
 import pytest
 
 from _reuse import ENTRIES, case_id, cases, run_all
-from conftest import hax_dot_failure
+from conftest import hax_dot_failure, xla_flags
 
 HERE = pathlib.Path(__file__).resolve().parent
 
@@ -50,7 +50,7 @@ CHUNKS = 4
 
 @pytest.mark.parametrize("chunk", range(CHUNKS))
 def test_reuse_on_8_devices(chunk, tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=8"))
     out = tmp_path / "results.json"
     proc = subprocess.run(
         [sys.executable, str(HERE / "_reuse.py"), str(out), str(chunk), str(CHUNKS)],

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from conftest import xla_flags
 from recipe_registry import REGISTRY
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -56,9 +57,9 @@ GROUPS = {
 def _run(cases, tmp) -> dict:
     dump = tmp / "hlo"
     env = dict(os.environ)
-    env["XLA_FLAGS"] = (
-        "--xla_force_host_platform_device_count=8 "
-        f"--xla_dump_to={dump} --xla_dump_hlo_module_re=.*gather_probe.* --xla_dump_hlo_pass_re=spmd-partitioning"
+    env["XLA_FLAGS"] = xla_flags(
+        "--xla_force_host_platform_device_count=8",
+        f"--xla_dump_to={dump} --xla_dump_hlo_module_re=.*gather_probe.* --xla_dump_hlo_pass_re=spmd-partitioning",
     )
     env["FP8AX_HLO_DUMP"] = str(dump)
     out = tmp / "results.json"

@@ -462,20 +462,33 @@ def _assert_outputs_equal(a, b):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_raw_gradient_through_the_optimizer_calibrates_and_check_state_reports_it(getkey):
+@pytest.mark.parametrize("calibrate", [False, True], ids=["default", "calibrate_first_call"])
+def test_raw_gradient_through_the_optimizer_calibrates_and_check_state_reports_it(calibrate, getkey):
     # The mistake (no `partition_for_grad_overwrite`: the state goes through Adam and is
     # added to) cannot raise inside a compiled step without a host callback, which would
-    # keep JAX's persistent cache from storing the step. The step calibrates on the
-    # corrupt state instead, exactly as on a fresh one, and fp8ax reports the mistake
-    # wherever it reads the state: `check_state`, an eager call, `calibrate`.
-    model, opt, loss, wrong_step = _eqx_flow(getkey)
+    # keep JAX's persistent cache from storing the step. The step reads the corrupt
+    # history as one that gives no amax instead, and fp8ax reports the mistake wherever
+    # it reads the state: `check_state`, an eager call, `calibrate`.
+    model, opt, loss, wrong_step = _eqx_flow(getkey, fp8ax.DelayedScaling(calibrate_first_call=calibrate))
     state = opt.init(eqx.filter(model, eqx.is_inexact_array))
     model, state = wrong_step(model, state)
     hist = np.asarray(model.layers[0].dot_general.lhs.amax_history)
     assert (hist < 0).any()  # what the mistake does: Adam's step made the amax history negative
     model, state = wrong_step(model, state)  # runs
     forward = eqx.filter_jit(loss)
-    _assert_outputs_equal(forward(model), forward(_fresh_like(model)))  # calibrated, bit for bit
+    if calibrate:
+        # The corrupt history counts as empty: each cast takes its scale from its
+        # tensor's amax, as on a fresh state, bit for bit.
+        _assert_outputs_equal(forward(model), forward(_fresh_like(model)))
+    else:
+        # The call keeps the state's scale: the stored scale over the stored unit, which
+        # Adam moved alike (both by about its learning rate, 0.02 in two steps), so it
+        # reads within a few float32 ulps of a fresh state's 1, not exactly 1. The
+        # outputs match a fresh state's to 1e-6 (relative; bit for bit where the quotient
+        # rounds to 1, which depends on the data).
+        scales = [np.asarray(layer.dot_general.lhs.scale) for layer in model.layers]
+        np.testing.assert_allclose(scales, 1.0, rtol=1e-6)
+        np.testing.assert_allclose(forward(model), forward(_fresh_like(model)), rtol=1e-6)
     with pytest.raises(ValueError, match=r"negative or non-finite.*fp8ax\.apply_updates"):
         fp8ax.check_state(model)
     with pytest.raises(ValueError, match=r"`model\.layers\[0\]\.dot_general\.lhs`"):
