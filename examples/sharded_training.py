@@ -195,9 +195,10 @@ def main(steps: int = 30):
         f"run: {max(abs(a - b) / a for a, b in zip(single, sharded)):.1%}"
     )
 
-    state = model.blocks.stacked.up.dot_general.lhs
+    dg = model.blocks.stacked.up.dot_general
+    state = dg.lhs  # the input's row of the layer's state
     print("weight sharding of blocks.up:", model.blocks.stacked.up.weight.array.sharding.spec)
-    print("FP8 state sharding:", jax.tree.leaves(state)[0].sharding.spec, "(replicated)")
+    print("FP8 state sharding:", jax.tree.leaves(dg.state)[0].sharding.spec, "(replicated)")
     print("newest input amax per layer, 8 devices:", np.asarray(state.amax_history[:, 0]))
     print("newest input amax per layer, 1 device: ", np.asarray(one_device_state))
     kinds = Counter(m.group(1) for m in re.finditer(r" (all-gather|all-reduce|reduce-scatter)(?:-start)?\(", hlo))

@@ -50,16 +50,17 @@ def test_dry_pass_and_the_bars(dry_run):
             row[v] for v in ("plain", "haliax", "fp8ax", "fp8ax-bare", "fp8ax-current")
         )
         layers = row["converted_layers"]
-        # Leaves: three state arrays per layer on the default path, none in the
-        # optimizer; Haliax's layer holds six, and its optimizer none either.
-        assert fp8ax["leaves"] - plain["leaves"] == 3 * layers, name
+        # Leaves: one state array per layer on the default path (the three operands' rows),
+        # none in the optimizer; Haliax's layer holds six, and its optimizer none either.
+        assert fp8ax["leaves"] - plain["leaves"] == layers, name
         assert haliax["leaves"] - plain["leaves"] == 6 * layers, name
-        assert bare["leaves"] - fp8ax["leaves"] == 2 * 3 * layers, name  # Adam's two moments
+        assert bare["leaves"] - fp8ax["leaves"] == 2 * layers, name  # Adam's two moments
         assert current["leaves"] == plain["leaves"], name
         # Kernels per step: what the default recipe adds per layer is at most Haliax's,
-        # and at most current scaling's plus what its history needs.
+        # and at most current scaling's plus what its history needs: its reduction and the
+        # write of the layer's state, two kernels (bench/README.md, run U).
         assert fp8ax["kernels_added_per_layer"] <= haliax["kernels_added_per_layer"], (name, row)
-        assert fp8ax["kernels_added_per_layer"] <= current["kernels_added_per_layer"] + 12, (name, row)
+        assert fp8ax["kernels_added_per_layer"] <= current["kernels_added_per_layer"] + 2, (name, row)
         for v in ("plain", "haliax", "fp8ax", "fp8ax-bare", "fp8ax-cal", "fp8ax-current"):
             r = row[v]
             assert r["lower_s"] > 0 and r["compile_s"] > 0, (name, v)
@@ -68,10 +69,10 @@ def test_dry_pass_and_the_bars(dry_run):
                 assert row[v]["step_ms"] > 0 and row[v]["host_us"] > 0 and row[v]["dispatch_us"] > 0, (name, v)
                 assert row[v]["host_mean_us"] > 0 and row[v]["kept_objects"] > 0, (name, v)
         if name == "mlp":
-            # What a call of the step leaves alive for Python's collector: per layer, at most
-            # three objects more than Haliax's (a state and its child per operand, where
-            # Haliax's module holds its arrays directly; bench/README.md, run O).
-            assert fp8ax["kept_objects"] - haliax["kept_objects"] <= 3 * layers, row
+            # What a call of the step leaves alive for Python's collector: no more than
+            # Haliax's (one state and its child per layer, where Haliax's module holds its
+            # six arrays; bench/README.md, runs O and U).
+            assert fp8ax["kept_objects"] <= haliax["kept_objects"], row
 
 
 HLO = """\

@@ -355,11 +355,14 @@ def test_check_checkpoint_metadata_tells_the_kinds_apart(kind, getkey):
     assert "It was saved from another model." in msg, msg
 
 
-def test_a_checkpoint_from_before_the_one_program_design_loads(getkey):
-    # Until 2026-11-26 each FP8 layer with state had one more leaf after its state, a
-    # Python float `calibrating`, which `eqx.tree_serialise_leaves` saved as a scalar
-    # record. Such a file (written here in the same layout) loads with fp8ax's loader,
-    # the scalar skipped, bit for bit; Equinox's own fails at the record after the first.
+@pytest.mark.parametrize("switch", [False, True])
+def test_checkpoints_of_earlier_layouts_load(switch, getkey):
+    # Until 2026-12-08 each FP8 layer with state saved its three states (lhs, rhs, grad)
+    # as three records, where it now saves one with a role axis; until 2026-11-26 it also
+    # had one more leaf after them, a Python float `calibrating`, which
+    # `eqx.tree_serialise_leaves` saved as a scalar record. Such files (written here in
+    # the same layouts) load with fp8ax's loader, the states stacked and the scalar
+    # skipped, bit for bit; Equinox's own fails.
     import jax.tree_util as jtu
 
     mlp = lambda k: eqx.nn.MLP(8, 4, 16, 1, key=k)  # noqa: E731
@@ -368,12 +371,20 @@ def test_a_checkpoint_from_before_the_one_program_design_loads(getkey):
     overwrite, _ = fp8ax.partition_for_grad_overwrite(eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(x)))(model))
     model = fp8ax.apply_updates(model, None, overwrite)
     is_dg = lambda v: isinstance(v, fp8ax.Fp8DotGeneral)  # noqa: E731
-    old_layout = jtu.tree_map(lambda v: (v, 0.0) if is_dg(v) else v, model, is_leaf=is_dg)
+
+    def old(v):
+        three = (v.lhs, v.rhs, v.grad)
+        return (three, 0.0) if switch else three
+
+    old_layout = jtu.tree_map(lambda v: old(v) if is_dg(v) else v, model, is_leaf=is_dg)
+    assert len(jax.tree.leaves(old_layout)) == len(jax.tree.leaves(model)) + (3 if switch else 2) * 2
     buf = io.BytesIO()
     eqx.tree_serialise_leaves(buf, old_layout)
     template = fp8ax.fp8_linear_layers(mlp(getkey()))
     buf.seek(0)
-    _assert_trees_bit_equal(fp8ax.tree_deserialise_leaves(buf, template), model)
+    loaded = fp8ax.tree_deserialise_leaves(buf, template)
+    _assert_trees_bit_equal(loaded, model)
+    assert loaded.layers[0].dot_general.state.data.shape == (3, 1026)
     buf.seek(0)
     with pytest.raises(RuntimeError, match="changed shape"):
         eqx.tree_deserialise_leaves(buf, template)

@@ -1,5 +1,6 @@
 """Fp8DotGeneral: numerics against float32/float64 references, lowering, transformations, bad input."""
 
+import dataclasses
 import functools
 import warnings
 
@@ -402,7 +403,7 @@ def test_bf16_state_is_read_in_float32_and_float16_refused():
     cast = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if eqx.is_array(a) else a, dg)
     np.testing.assert_array_equal(np.asarray(cast(x, w, DIMS)), np.asarray(dg(x, w, DIMS)))
     cast16 = jax.tree.map(lambda a: a.astype(jnp.float16) if eqx.is_array(a) else a, dg)
-    with pytest.raises(TypeError, match=r"FP8 state `lhs.data` has dtype float16.*fp8ax.cast_floating"):
+    with pytest.raises(TypeError, match=r"FP8 state `state.data` has dtype float16.*fp8ax.cast_floating"):
         cast16(x, w, DIMS)
 
 
@@ -597,3 +598,64 @@ def test_ragged_and_serving_ops_take_out_sharding(getkey):
     np.testing.assert_array_equal(np.asarray(sdg(x, values, dims, reduction_order=None)), np.asarray(plain))
     with pytest.raises(NotImplementedError, match=r"`fp8ax.ServingDotGeneral` takes no `reduction_order`"):
         sdg(x, values, dims, reduction_order="linear")
+
+
+def test_the_three_states_are_one_array_with_a_role_axis(getkey):
+    # One state per layer: the rows of its role axis are the lhs, rhs and grad states,
+    # which `lhs`, `rhs` and `grad` read, and which a call writes exactly as three
+    # separate states would (checked against a hand replay of the first call's scales).
+    dg = fp8ax.Fp8DotGeneral.init(CALIBRATING)
+    assert isinstance(dg.state, fp8ax.ScalingState)
+    assert dg.state.data.shape == (3, 1026) and dg.state.batch_shape == (3,)
+    assert len(jax.tree.leaves(dg)) == 1
+    for role in (dg.lhs, dg.rhs, dg.grad):
+        assert isinstance(role, fp8ax.ScalingState) and role.data.shape == (1026,)
+        np.testing.assert_array_equal(role.data, fp8ax.ScalingState.init(1024).data)
+    stacked = fp8ax.Fp8DotGeneral.init(batch_shape=(4,))
+    assert stacked.state.data.shape == (4, 3, 1026) and stacked.lhs.scale.shape == (4,)
+
+    x, w, gy = _data(getkey)
+    grads = eqx.filter_grad(lambda d: jnp.sum(d(x, w, DIMS) * gy))(dg)
+    overwrite, _ = fp8ax.partition_for_grad_overwrite(grads)
+    new = fp8ax.apply_updates(dg, None, overwrite)
+    for role, tensor, fmt in ((new.lhs, x, 448.0), (new.rhs, w, 448.0), (new.grad, gy, 57344.0)):
+        amax = np.float32(np.max(np.abs(np.asarray(tensor, np.float64))))
+        assert np.float32(role.amax_history[0]) == amax
+        assert np.all(np.asarray(role.amax_history[1:]) == 0)
+        np.testing.assert_allclose(role.scale, amax / np.float32(fmt), rtol=1e-7)
+    np.testing.assert_array_equal(new.state.data[0], new.lhs.data)
+    np.testing.assert_array_equal(new.state.data[2], new.grad.data)
+
+
+def test_states_are_built_stacked_and_replaced_by_role():
+    fresh = fp8ax.ScalingState.init(8)
+    scaled = fp8ax.ScalingState(2.0, jnp.arange(8, dtype=jnp.float32))
+    dg = fp8ax.Fp8DotGeneral((fresh, scaled, fresh), fp8ax.GemmSettings(fp8ax.DelayedScaling(history_length=8)))
+    assert dg.state.data.shape == (3, 10)
+    assert float(dg.rhs.scale) == 2.0 and float(dg.lhs.scale) == 1.0
+    assert dataclasses.replace(dg, mode="qdq").state is dg.state  # the field, kept as it is
+
+    new = dg.with_states(grad=scaled)
+    np.testing.assert_array_equal(new.grad.data, scaled.data)
+    np.testing.assert_array_equal(new.lhs.data, dg.lhs.data)
+    assert new.settings == dg.settings and dg.grad.scale == 1.0  # `dg` unchanged
+
+    with pytest.raises(TypeError, match=r"`Fp8DotGeneral\(\(lhs, rhs, grad\), settings\)`"):
+        fp8ax.Fp8DotGeneral(fresh, scaled, fresh, dg.settings)  # the form before the states were one array
+    with pytest.raises(TypeError, match=r"`Fp8DotGeneral\(\(lhs, rhs, grad\), settings\)`"):
+        fp8ax.Fp8DotGeneral(fresh, scaled)
+    with pytest.raises(ValueError, match="role axis of size 3"):
+        fp8ax.Fp8DotGeneral(fresh)
+    with pytest.raises(ValueError, match="one type and shape"):
+        fp8ax.Fp8DotGeneral((fresh, fp8ax.ScalingState.init(4), fresh))
+    with pytest.raises(TypeError, match="three states"):
+        fp8ax.Fp8DotGeneral((fresh, fresh))
+    with pytest.raises(TypeError, match="`state` must be"):
+        fp8ax.Fp8DotGeneral(jnp.zeros((3, 10)))
+    with pytest.raises(ValueError, match="`lhs` must be a `ScalingState` of the shapes"):
+        dg.with_states(lhs=fp8ax.ScalingState.init(4))
+    with pytest.raises(ValueError, match="stateless recipe"):
+        fp8ax.Fp8DotGeneral.init(fp8ax.CurrentScaling()).with_states(lhs=fresh)
+    # The way to replace a state while it was a field of its own says what to do now.
+    with pytest.raises(TypeError, match=r"`lhs` is row 0 .*dg.with_states\(lhs=...\)"):
+        eqx.tree_at(lambda m: m.lhs, dg, fresh)

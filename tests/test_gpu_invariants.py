@@ -82,7 +82,7 @@ def _set_state(layer, states: dict):
         fp8ax.ScalingState(jnp.asarray(s, jnp.float32), jnp.asarray(h, jnp.float32))
         for s, h in (states[r] for r in ROLES)
     ]
-    return eqx.tree_at(lambda m: m.dot_general, layer, fp8ax.Fp8DotGeneral(*new, dg.settings))
+    return eqx.tree_at(lambda m: m.dot_general, layer, fp8ax.Fp8DotGeneral(tuple(new), dg.settings))
 
 
 def _state(layer) -> dict:

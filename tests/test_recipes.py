@@ -139,7 +139,7 @@ def test_hand_replay_when_some_histories_are_empty(empty, getkey):
             continue
         reps[role].hist, reps[role].scale = np.asarray(past), 0.125
         st = fp8ax.ScalingState(jnp.float32(0.125), jnp.asarray(past, jnp.float32))
-        dg = eqx.tree_at(lambda d: getattr(d, role), dg, st)
+        dg = dg.with_states(**{role: st})
 
     for t, (mx, mw, mg) in enumerate([(1000.0, 3.0, 1e-7), (2.0, 0.5, 10.0)]):
         x = jax.random.normal(getkey(), (8, 16), jnp.float32) * mx

@@ -91,7 +91,8 @@ def test_serving_freezes_the_recipes_scale(getkey):
 
 def test_corrupt_state_is_refused_by_serving(getkey):
     model = adam_trained(_mlp(getkey()), _loss(jax.random.normal(getkey(), (8, 16))), 1)
-    bad = eqx.tree_at(lambda m: m.layers[1].dot_general.rhs, model, RunningMax(jnp.float32(-1.0)))
+    dg = model.layers[1].dot_general
+    bad = eqx.tree_at(lambda m: m.layers[1].dot_general, model, dg.with_states(rhs=RunningMax(jnp.float32(-1.0))))
     with pytest.raises(ValueError, match=r"Layer `layers\.1`, weight state \(`rhs`\): .*went through an optimizer"):
         fp8ax.to_serving(bad)
 

@@ -241,9 +241,10 @@ def test_corrupt_state_is_an_error(role, what, getkey):
     # A state that went through an optimizer (`eqx.apply_updates` on the raw gradient)
     # would freeze a scale from values fp8ax never wrote.
     model, _ = _trained("haliax", fp8ax.Fp8Config(), jnp.float32, getkey)
-    where = lambda m: getattr(m.down_proj.dot_general, role)  # noqa: E731
-    state = where(model)
-    broken = eqx.tree_at(where, model, fp8ax.ScalingState(state.scale, state.amax_history.at[2].set(-0.5)))
+    dg = model.down_proj.dot_general
+    state = getattr(dg, role)
+    bad = fp8ax.ScalingState(state.scale, state.amax_history.at[2].set(-0.5))
+    broken = eqx.tree_at(lambda m: m.down_proj.dot_general, model, dg.with_states(**{role: bad}))
     with pytest.raises(
         ValueError, match=rf"Layer `down_proj`, {what} state.*negative or non-finite.*fp8ax\.apply_updates"
     ):

@@ -254,7 +254,7 @@ def test_scaling_state_arguments_are_checked_and_its_parts_are_not_leaves():
     np.testing.assert_array_equal(np.asarray(state.scale), np.float32(2.0) / np.float32(0.5))
     np.testing.assert_array_equal(np.asarray(state.amax_history), np.arange(4, dtype=np.float32) / np.float32(0.5))
     assert float(state.unit) == 0.5 and jax.tree.leaves(state)[0].shape == (6,)
-    with pytest.raises(AttributeError, match=r"replace the state: `eqx.tree_at\(lambda m: m.lhs"):
+    with pytest.raises(AttributeError, match=r"replace the state: `dg.with_states\(lhs=fp8ax.ScalingState"):
         eqx.tree_at(lambda s: s.scale, state, jnp.ones(()))
 
 

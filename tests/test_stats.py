@@ -24,12 +24,7 @@ E4M3_MAX = 448.0
 def _dg_with_history(lhs_amax: float, rhs_amax: float) -> fp8ax.Fp8DotGeneral:
     dg = fp8ax.Fp8DotGeneral.init(fp8ax.DelayedScaling(history_length=4))
     hist = lambda a: fp8ax.ScalingState(jnp.float32(1.0), jnp.array([a, 0.5 * a, 0.0, 0.0], jnp.float32))  # noqa: E731
-    return eqx.tree_at(
-        lambda d: (d.lhs, d.rhs),
-        dg,
-        (hist(lhs_amax), hist(rhs_amax)),
-        is_leaf=lambda x: isinstance(x, fp8ax.ScalingState),
-    )
+    return dg.with_states(lhs=hist(lhs_amax), rhs=hist(rhs_amax))
 
 
 def _reference(x, history_max):

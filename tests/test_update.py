@@ -188,7 +188,7 @@ def test_a_traced_update_merges_each_state_in_one_equation(getkey):
 
     eqns = jax.make_jaxpr(update)(arrays).jaxpr.eqns
     names = [e.primitive.name for e in eqns]
-    states = 3 * 3  # three layers, three states each
+    states = 3  # three layers, one state each (the three operands' rows)
     assert names.count("jit") == states and "select_n" not in names, names
     traced = eqx.filter_jit(lambda m, o: fp8ax.apply_updates(m, None, o))(model, overwrite)
     eager = fp8ax.apply_updates(model, None, overwrite)
@@ -366,14 +366,14 @@ def test_skip_fp8_state_trains_the_same_with_no_moments_for_the_state(getkey, na
     with jax.numpy_dtype_promotion("standard"):
         state = skipping.init(eqx.filter(model, eqx.is_array))
         full = _OPTIMIZERS[name]().init(eqx.filter(model, eqx.is_array))
-    stored = jax.tree.leaves(model.layers[0].dot_general.lhs)[0].shape  # (unit, scale, history)
-    assert stored == (1024 + 2,)
+    stored = jax.tree.leaves(model.layers[0].dot_general)[0].shape  # (role, unit + scale + history)
+    assert stored == (3, 1024 + 2)
     assert not any(jnp.shape(v) == stored for v in jax.tree.leaves(state))
     assert any(jnp.shape(v) == stored for v in jax.tree.leaves(full))
-    # Three state arrays per FP8 layer (one per operand), two layers: Adam's two moments
-    # of each are gone.
+    # One state array per FP8 layer (the three operands' rows), two layers: Adam's two
+    # moments of each are gone.
     if name == "adam":
-        assert len(jax.tree.leaves(full)) - len(jax.tree.leaves(state)) == 2 * 3 * 2
+        assert len(jax.tree.leaves(full)) - len(jax.tree.leaves(state)) == 2 * 2
 
 
 def test_skip_fp8_state_needs_an_optimizer():
@@ -516,14 +516,14 @@ def test_corrupt_state_values_calibrate_in_a_trace_and_are_an_error_eagerly(bad,
     dims = (((1,), (0,)), ((), ()))
     dg(x, w, dims)  # a fresh state is fine
     role, field, value = {
-        "nan": ("rhs", "amax_history", jnp.full((16,), jnp.nan)),
+        "nan": ("rhs", "amax_history", jnp.full((1024,), jnp.nan)),
         "negative-scale": ("lhs", "scale", jnp.float32(-0.5)),
         "zero-scale": ("grad", "scale", jnp.float32(0.0)),
-        "inf-history": ("lhs", "amax_history", jnp.zeros(16).at[3].set(jnp.inf)),
+        "inf-history": ("lhs", "amax_history", jnp.zeros(1024).at[3].set(jnp.inf)),
         # One negative entry in a filled history: its max is positive and finite.
-        "negative-entry": ("rhs", "amax_history", jnp.full((16,), 2.0).at[5].set(-1e-3)),
+        "negative-entry": ("rhs", "amax_history", jnp.full((1024,), 2.0).at[5].set(-1e-3)),
     }[bad]
-    broken = eqx.tree_at(lambda d: getattr(d, role), dg, _replaced(getattr(dg, role), **{field: value}))
+    broken = dg.with_states(**{role: _replaced(getattr(dg, role), **{field: value})})
     fresh = fp8ax.Fp8DotGeneral.init()
 
     def value_and_grads(d):  # the gradient's state is read in the backward pass
@@ -723,8 +723,11 @@ def test_a_corrupt_ensemble_member_calibrates_alone_and_is_named(getkey):
     ens, loss, step = _ensemble_flow(getkey)
     ens = step(ens)  # filled histories
     rhs = ens.layers[1].dot_general.rhs
+    dg = ens.layers[1].dot_general
     broken = eqx.tree_at(
-        lambda m: m.layers[1].dot_general.rhs, ens, _replaced(rhs, amax_history=rhs.amax_history.at[2, 4].set(-1.0))
+        lambda m: m.layers[1].dot_general,
+        ens,
+        dg.with_states(rhs=_replaced(rhs, amax_history=rhs.amax_history.at[2, 4].set(-1.0))),
     )
     # Member 2's weight calibrates on itself, the others keep their delayed scales: the
     # loss differs from the intact ensemble's in member 2's term only.
@@ -767,7 +770,7 @@ def test_an_optimizer_that_keeps_state_for_the_fp8_state_is_named_once(getkey, m
         fp8ax.apply_updates(model, None, overwrite)
     # Two layers, three state arrays each of 1024 + 2 float32.
     with pytest.warns(
-        fp8ax.OptimizerStateWarning, match=r"\(6 arrays, 24,624 bytes each time\).*fp8ax\.skip_fp8_state"
+        fp8ax.OptimizerStateWarning, match=r"\(2 arrays, 24,624 bytes each time\).*fp8ax\.skip_fp8_state"
     ):
         step(optax.adam(1e-3))
     with warnings.catch_warnings():

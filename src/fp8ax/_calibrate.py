@@ -57,7 +57,7 @@ def calibrate(model: T, loss_fn: Callable[..., Any], batches: Iterable[Any]) -> 
         raise TypeError(
             f"`loss_fn` must be a callable `loss_fn(model, *batch) -> scalar`, got {type(loss_fn).__name__}."
         )
-    stateful = [dg for dg in jtu.tree_leaves(model, is_leaf=_is_dg) if _is_dg(dg) and dg.lhs is not None]
+    stateful = [dg for dg in jtu.tree_leaves(model, is_leaf=_is_dg) if _is_dg(dg) and dg.state is not None]
     if not stateful:
         raise ValueError(
             "`model` has no FP8 layer with state to calibrate: convert it with `fp8ax.fp8_linear_layers` and a "

@@ -21,6 +21,7 @@ from . import _haliax
 from ._model import Fp8DotGeneral, fp8_op, is_linear, path_str
 from ._scaling_state import ScalingState
 from ._serving import is_serving_layer
+from ._state import AbstractState
 
 T = TypeVar("T")
 
@@ -80,15 +81,16 @@ def _kind_of_layer(layer) -> str:
         return "serving"
     op = fp8_op(layer)
     if op is not None:
-        return "fp8" if op.lhs is not None else "fp8-stateless"
+        return "fp8" if op.state is not None else "fp8-stateless"
     return "plain"
 
 
 def _state_ndims(layer) -> tuple:
     """`(entry_ndims,)` of the template layer's state type, or `()` if it has none."""
     op = fp8_op(layer)  # None for plain and serving layers
-    if op is not None and op.lhs is not None:  # an "fp8" layer (`_kind_of_layer`)
-        return (type(op.lhs).entry_ndims,)
+    if op is not None and op.state is not None:  # an "fp8" layer (`_kind_of_layer`)
+        state = op.state if isinstance(op.state, AbstractState) else op.state[0]
+        return (type(state).entry_ndims,)
     return ()
 
 
@@ -119,14 +121,30 @@ def _kind_of_records(records, start: int, weight_shape, n_own: int, layouts=()) 
 
 
 def _holds_states(records, weight_shape, entry_ndims) -> bool:
-    """Whether `records` begin with the float32 arrays of three states (lhs, rhs, grad)
-    of a recipe whose state arrays have `entry_ndims` per-layer dimensions, each with the
-    stacked dimensions of the weight in front (for delayed scaling: one array of
-    batch + (H + 2,), three times). A state may have one more leading dimension, the
-    weight's next one: a grouped GEMM's state per expert (`Fp8Config.per_expert_weights`)."""
+    """Whether `records` begin with the float32 arrays of an FP8 layer's state, of a
+    recipe whose state arrays have `entry_ndims` per-layer dimensions: one state with a
+    role axis of size 3 before them (`Fp8DotGeneral`'s; for delayed scaling one array of
+    batch + (3, H + 2)), or three states one after the other (`Fp8RaggedDot`'s, and every
+    layer's before 2026-12-08: batch + (H + 2,), three times). The stacked dimensions of
+    the weight come first; a state may have one more, the weight's next one: a grouped
+    GEMM's state per expert (`Fp8Config.per_expert_weights`)."""
     k = len(entry_ndims)
-    after = records[: 3 * k]
-    if len(after) < 3 * k or not all(d == "<f4" for _, d in after):
+    one = [
+        (shape[: len(shape) - e - 1] + shape[len(shape) - e :], d) for (shape, d), e in zip(records[:k], entry_ndims)
+    ]
+    if len(one) == k and all(
+        len(shape) > e and shape[len(shape) - e - 1] == 3 for (shape, _), e in zip(records[:k], entry_ndims)
+    ):
+        if _states_fit(one, weight_shape, entry_ndims):
+            return True
+    return _states_fit(records[: 3 * k], weight_shape, entry_ndims, 3 * k)
+
+
+def _states_fit(after, weight_shape, entry_ndims, count: int | None = None) -> bool:
+    """Whether `after` are `count` float32 arrays (default: one per field) of states with
+    `entry_ndims` own dimensions and the weight's stacked dimensions in front."""
+    k = len(entry_ndims)
+    if len(after) < (count or k) or not all(d == "<f4" for _, d in after):
         return False
     n_batch = len(after[0][0]) - entry_ndims[0]
     if n_batch < 0:
@@ -285,9 +303,12 @@ def tree_deserialise_leaves(path_or_file: str | pathlib.Path | BinaryIO, like: T
 
     The loaded tree.
 
-    A checkpoint of a training model saved by fp8ax before 2026-11-26 holds one more
-    record per FP8 layer with state (the layer's program switch `calibrating`, a Python
-    float that fp8ax no longer has); it is read and that record skipped.
+    Checkpoints of a training model saved by earlier versions of fp8ax are read too:
+    before 2026-12-08 an FP8 layer with state saved its three states (lhs, rhs, grad) as
+    three arrays, where it now holds one with a role axis (see [`fp8ax.Fp8DotGeneral`][]),
+    and they are stacked into one; before 2026-11-26 it also saved one more record after
+    them (the layer's program switch `calibrating`, a Python float that fp8ax no longer
+    has), which is read and skipped.
 
     **Raises:**
 
@@ -296,12 +317,92 @@ def tree_deserialise_leaves(path_or_file: str | pathlib.Path | BinaryIO, like: T
     try:
         check_checkpoint(path_or_file, like)
     except ValueError as error:
-        legacy = _with_switches(like)
-        if legacy is like or not _fits(_read(path_or_file, _records), legacy):
+        records = _read(path_or_file, _records)
+        # The layouts of fp8ax's older checkpoints, newest first: the three states of an
+        # FP8 layer saved as three leaves (before 2026-12-08), and also its float switch
+        # after them (before 2026-11-26).
+        three = _with_three_states(like)
+        for legacy in (three, _with_switches(three)):
+            if legacy is not like and _fits(records, legacy):
+                break
+        else:
             raise error from None
         loaded = eqx.tree_deserialise_leaves(path_or_file, legacy)
-        return jtu.tree_map(lambda x: x[0] if isinstance(x, _Switched) else x, loaded, is_leaf=_is_switched)
+        return jtu.tree_map(_from_legacy, loaded, is_leaf=_is_legacy)
     return eqx.tree_deserialise_leaves(path_or_file, like)
+
+
+def _from_legacy(x):
+    if isinstance(x, _Switched):
+        x = x[0]
+    if isinstance(x, _ThreeStates):
+        op = x.op
+        return op.with_states(lhs=x[0], rhs=x[1], grad=x[2])
+    return x
+
+
+def _is_legacy(x) -> bool:
+    return isinstance(x, _Switched | _ThreeStates)
+
+
+class _ThreeStates(tuple):
+    """An FP8 op with state as checkpoints before 2026-12-08 saved it: its three states
+    `(lhs, rhs, grad)`, a leaf each, where it now holds one state with a role axis. `op`
+    is the template's op, which the loaded states go back into."""
+
+    op: Fp8DotGeneral
+
+    def __new__(cls, states, op):
+        self = super().__new__(cls, states)
+        self.op = op
+        return self
+
+
+class _Template:
+    """A template op as pytree metadata, compared by identity (an op's `==` compares
+    arrays)."""
+
+    __slots__ = ("op",)
+
+    def __init__(self, op):
+        self.op = op
+
+    def __eq__(self, other) -> bool:
+        return type(other) is _Template and other.op is self.op
+
+    def __hash__(self) -> int:
+        return id(self.op)
+
+
+jtu.register_pytree_node(
+    _ThreeStates, lambda t: (tuple(t), _Template(t.op)), lambda meta, c: _ThreeStates(tuple(c), meta.op)
+)
+
+
+def _with_three_states(like):
+    """`like` with each FP8 op with state as a `_ThreeStates` (`like` itself if it has
+    none): zero-filled states of the shapes one role's state has."""
+    found = []
+
+    def split(x):
+        if isinstance(x, Fp8DotGeneral) and isinstance(x.state, AbstractState):  # (not a grouped op's three)
+            found.append(x)
+            state = x.state
+            row = type(state)._make(
+                tuple(np.zeros(_row_shape(v, e), np.float32) for v, e in zip(state._values, state.entry_ndims)),
+                None,
+                None,
+            )
+            return _ThreeStates((row, row, row), x)
+        return x
+
+    out = jtu.tree_map(split, like, is_leaf=lambda x: isinstance(x, Fp8DotGeneral))
+    return out if found else like
+
+
+def _row_shape(value, entry_ndims: int) -> tuple[int, ...]:
+    shape = tuple(np.shape(value)) if not hasattr(value, "shape") else tuple(value.shape)
+    return shape[: len(shape) - entry_ndims - 1] + shape[len(shape) - entry_ndims :]
 
 
 class _Switched(tuple):
@@ -321,12 +422,12 @@ def _with_switches(like):
     found = []
 
     def wrap(x):
-        if isinstance(x, Fp8DotGeneral) and x.lhs is not None:
+        if isinstance(x, _ThreeStates) or (isinstance(x, Fp8DotGeneral) and x.state is not None):
             found.append(x)
             return _Switched((x, 0.0))
         return x
 
-    out = jtu.tree_map(wrap, like, is_leaf=lambda x: isinstance(x, Fp8DotGeneral))
+    out = jtu.tree_map(wrap, like, is_leaf=lambda x: isinstance(x, Fp8DotGeneral | _ThreeStates))
     return out if found else like
 
 

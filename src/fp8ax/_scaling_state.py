@@ -21,8 +21,10 @@ class ScalingState(AbstractState):
 
     The state is one float32 pytree leaf, `data`, of shape `(history_length + 2,)` (or
     `(*batch, history_length + 2)` for stacked layers): `[unit, scale, *amax_history]`.
-    One array per operand keeps a converted layer at three state leaves and each step's
-    state update at one kernel per operand (docs/state.md, "What the state costs").
+    An [`fp8ax.Fp8DotGeneral`][] holds the states of its three operands as one, with a
+    role axis of size 3 among its batch dimensions, `(3, history_length + 2)`: one state
+    leaf per converted layer, and one kernel writing it per step (docs/state.md, "What
+    the state costs").
 
     - `scale` (a property): the *dequantization* scale, shape `()` (or `(*batch,)`): a
       tensor `x` is quantized as `x / scale` and recovered as `q * scale` (the
@@ -98,7 +100,7 @@ class ScalingState(AbstractState):
             raise AttributeError(
                 "A `ScalingState`'s `scale` and `amax_history` are read from its one array, `data` "
                 "([unit, scale, *amax_history]); they are not pytree leaves of their own. To replace them, replace "
-                "the state: `eqx.tree_at(lambda m: m.lhs, dg, fp8ax.ScalingState(scale, amax_history))`."
+                "the state: `dg.with_states(lhs=fp8ax.ScalingState(scale, amax_history))`."
             )
         return read_state((data,))
 

@@ -21,7 +21,8 @@ class AbstractState:
     arrays.
 
     A stateful recipe (see [`fp8ax.AbstractStatefulRecipe`][]) returns one of these from
-    `init_state` for each operand of a GEMM. fp8ax never reads the arrays' meaning: the
+    `init_state`: an [`fp8ax.Fp8DotGeneral`][] holds one for its three operands, with a
+    role axis of size 3 as the last of its stacked dimensions (`batch_shape`). fp8ax never reads the arrays' meaning: the
     GEMM pipeline hands the recipe its state as a tuple of arrays in `fields` order, and
     serving, `scaling_stats`, `plot_amax_history`, `calibrate` and `apply_updates` ask the
     recipe (or the state's `written`) about it. What a subclass declares:

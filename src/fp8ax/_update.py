@@ -281,7 +281,7 @@ def check_state(model, *, written: bool = False) -> None:
     layers = [
         (jtu.keystr(path), m)
         for path, m in jtu.tree_leaves_with_path(model, is_leaf=lambda x: isinstance(x, Fp8DotGeneral))
-        if isinstance(m, Fp8DotGeneral) and m.lhs is not None
+        if isinstance(m, Fp8DotGeneral) and m.state is not None
     ]
     if not layers:
         raise TypeError(
@@ -319,7 +319,7 @@ def skip_fp8_state(optimizer: optax.GradientTransformation) -> optax.GradientTra
 
     An optimizer built from the whole model (`opt.init(eqx.filter(model, eqx.is_array))`)
     keeps moments for every FP8 state array, all zero, and updates them on every step:
-    with Adam two elementwise kernels per state array, six per FP8 layer,
+    with Adam two elementwise kernels per state array (one per FP8 layer),
     each too small to keep a GPU busy (on an H200 the decoder layer of docs/gpu.md spent
     about 3.5 ms more per step idle than Haliax's FP8, whose optimizer never sees the
     state). The wrapped optimizer takes the same arguments and returns updates of the same

@@ -11,7 +11,7 @@ from typing import Any, cast
 import jax.numpy as jnp
 from jax import lax
 
-from .call import Call, grad_once, gradient_keys
+from .call import Call, grad_once, gradient_keys, stacked_by_role
 from .kernels import fp8_pair
 from .operands import reduce_to
 
@@ -34,8 +34,9 @@ def backward_precision(precision, qa, qb):
 def three_gemm_backward(
     call: Call, g, new_operand_states: tuple, quantize_grad_once: Callable, dlhs: Gradient, drhs: Gradient
 ) -> tuple:
-    """`(dlhs, drhs)`, and with state the new lhs, rhs and grad states' arrays (float32,
-    one after the other). `quantize_grad_once(g)` gives the gradient quantized for both
+    """`(dlhs, drhs)`, and with state the new lhs, rhs and grad states' arrays (float32:
+    one state's, with a role axis, or three states' one after the other; see
+    `stacked_by_role`). `quantize_grad_once(g)` gives the gradient quantized for both
     GEMMs and its new state; `new_operand_states` the forward's new lhs and rhs states."""
     keys = gradient_keys(call.settings.operand_recipe("grad"), g)
     shared_g, new_g = quantize_grad_once(g) if grad_once(call) else (None, None)
@@ -48,4 +49,5 @@ def three_gemm_backward(
     # With state, each operand was quantized with its state (the gradient once, shared by
     # both GEMMs), so all three new states are set.
     new_states = cast(tuple[tuple, tuple, tuple], (*new_operand_states, new_g))
-    return (d_lhs, d_rhs, *(v.astype(jnp.float32) for pair in new_states for v in pair))
+    new_states = tuple(tuple(v.astype(jnp.float32) for v in state) for state in new_states)
+    return (d_lhs, d_rhs, *stacked_by_role(new_states, call.state_role_axes))

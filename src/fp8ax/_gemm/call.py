@@ -29,14 +29,41 @@ class Call(NamedTuple):
     state_is_max: tuple[bool, ...]  # which state values arrive in the max-accumulating dtype
     lhs_vma: frozenset  # `jax.shard_map` axes the operands vary over (empty outside shard_map)
     rhs_vma: frozenset
+    # Where the three operands' states are one state with a role axis (`Fp8DotGeneral`'s),
+    # that axis of each state array, counted from its end (negative); empty where they
+    # arrive as three states, one after the other (`Fp8RaggedDot`'s).
+    state_role_axes: tuple[int, ...] = ()
 
 
-def states_by_role(raw) -> dict:
+def states_by_role(raw, role_axes: tuple[int, ...] = ()) -> dict:
+    """Each role's state as a tuple of float32 arrays in its `fields` order, from the raw
+    state arrays a custom VJP receives: the rows of one state's arrays along their role
+    axes (`Call.state_role_axes`), or three states one after the other."""
     if not raw:
         return dict.fromkeys(ROLES)
-    # The same recipe's state for each role: as many arrays each, in its `fields` order.
-    f32, n = [as_f32(v) for v in raw], len(raw) // len(ROLES)
+    f32 = [as_f32(v) for v in raw]
+    if role_axes:
+        return {
+            role: tuple(
+                lax.index_in_dim(v, i, v.ndim + ax, keepdims=False) for v, ax in zip(f32, role_axes, strict=True)
+            )
+            for i, role in enumerate(ROLES)
+        }
+    n = len(raw) // len(ROLES)
     return {role: tuple(f32[n * i : n * (i + 1)]) for i, role in enumerate(ROLES)}
+
+
+def stacked_by_role(new_states, role_axes: tuple[int, ...]) -> tuple:
+    """The new states of the three roles (`(lhs, rhs, grad)`, each a tuple of float32
+    arrays in `fields` order) as the raw arrays of one state: each field's three rows
+    stacked along its role axis (`states_by_role`'s inverse); three states one after the
+    other without `role_axes`."""
+    if not role_axes:
+        return tuple(v for state in new_states for v in state)
+    return tuple(
+        lax.concatenate([lax.expand_dims(v, (v.ndim + 1 + ax,)) for v in rows], rows[0].ndim + 1 + ax)
+        for rows, ax in zip(zip(*new_states), role_axes, strict=True)
+    )
 
 
 def role_dtype(call: Call, role: Role) -> np.dtype:

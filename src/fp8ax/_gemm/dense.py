@@ -44,9 +44,10 @@ from .settings import Role, stateful_recipe
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def quantized_dot(call: Call, lhs, rhs, *state) -> Array:
     """`dot_general(lhs, rhs, call.dims)` computed on quantized operands; `state` holds the
-    raw arrays of the lhs, rhs and grad states of a stateful recipe, one after the other
-    (each in its `fields` order: `(lhs scale, lhs history, rhs ..., grad ...)` for delayed
-    scaling), and is empty otherwise. The VJP returns the new state as the state's cotangent."""
+    raw arrays of a stateful recipe's state of the three operands, in its `fields` order,
+    each with a role axis (`Call.state_role_axes`; for delayed scaling one array,
+    `(..., 3, history_length + 2)`), and is empty otherwise. The VJP returns the new state
+    as the state's cotangent."""
     return _fwd(call, lhs, rhs, *state)[0]
 
 
@@ -57,7 +58,7 @@ def _fwd(call: Call, lhs, rhs, *raw):
 @once_per_signature("fp8ax.Fp8DotGeneral.forward")
 def _forward(call: Call, lhs, rhs, *raw):
     st = call.settings
-    states = states_by_role(raw)
+    states = states_by_role(raw, call.state_role_axes)
     plans, products = plan_call(call, states)
     (lc, rc), _ = call.dims
     ql = qr = new_l = new_r = None

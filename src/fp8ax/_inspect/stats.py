@@ -67,7 +67,8 @@ def _is_holder(x) -> bool:
 def _state_shape(dg: Fp8DotGeneral) -> tuple[int, ...]:
     if isinstance(dg, Fp8RaggedDot):
         return dg.layer_batch_shape  # without the per-expert or per-group dimension
-    return dg.lhs.batch_shape if dg.lhs is not None else ()
+    lhs = dg.lhs
+    return lhs.batch_shape if lhs is not None else ()
 
 
 def index_str(index: tuple[int, ...]) -> str:
@@ -305,7 +306,7 @@ def scaling_stats(model: Any, fn: Callable | None = None, *args, **kwargs) -> di
     out: dict[str, float] = {}
     for name, dg, _ in layers:
         numbers = {}
-        for role, _ in dg._state_problems(empty=False) if dg.lhs is not None and not _traced(dg) else ():
+        for role, _ in dg._state_problems(empty=False) if dg.state is not None and not _traced(dg) else ():
             raise ValueError(f"FP8 state `{name}/{role}`: {CORRUPT_STATE}")
         for role in ROLES:
             state = getattr(dg, role)

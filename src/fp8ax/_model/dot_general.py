@@ -1,6 +1,6 @@
 import dataclasses
 import functools
-from typing import Unpack, cast
+from typing import ClassVar, Unpack, cast
 
 import equinox as eqx
 import jax
@@ -37,12 +37,17 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
     """Low-precision drop-in for `jax.lax.dot_general`: FP8 (or MX, or int8) GEMMs.
 
     With [`fp8ax.DelayedScaling`][] (the default) it holds the scaling state of its three
-    tensors as float32 leaves: `lhs` (the input), `rhs` (the kernel) and `grad` (the
-    gradient of the output), each a [`fp8ax.ScalingState`][] with `scale` and
-    `amax_history`. Its custom VJP returns the new state as the "gradient" of those
-    leaves; see [`fp8ax.apply_updates`][]. With a stateless recipe
-    ([`fp8ax.CurrentScaling`][], [`fp8ax.MXScaling`][], [`fp8ax.Int8Scaling`][]) the three
-    fields are `None` and the module has no array leaves.
+    tensors, the input (`lhs`), the kernel (`rhs`) and the gradient of the output
+    (`grad`), in one field, `state`: one [`fp8ax.ScalingState`][] whose array has a role
+    axis of size 3 (in that order) before the state's own axis, `(*batch, 3,
+    history_length + 2)`. One array per layer, not three, keeps each flatten, view and
+    rebuild of a traced model, and each step's state write, at one per layer
+    (docs/state.md, "What the state costs"). `lhs`, `rhs` and `grad` read the three rows
+    as states of their own (`dg.lhs.scale`, `dg.grad.amax_history`); `with_states`
+    replaces them. Its custom VJP returns the new state as the "gradient" of `state`; see
+    [`fp8ax.apply_updates`][]. With a stateless recipe ([`fp8ax.CurrentScaling`][],
+    [`fp8ax.MXScaling`][], [`fp8ax.Int8Scaling`][]) `state` is `None` (and so are `lhs`,
+    `rhs` and `grad`) and the module has no array leaves.
 
     Its array leaves are exactly those states' arrays, whatever happens to the model
     (`jax.device_put`, a `lax.scan` carry, `eqx.filter_vmap`, a checkpoint restore): a
@@ -59,16 +64,33 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
     `NamedArray.dot(..., dot_general=...)`.
     """
 
-    lhs: AbstractState | None
-    rhs: AbstractState | None
-    grad: AbstractState | None
+    state: AbstractState | tuple[AbstractState, AbstractState, AbstractState] | None
     settings: GemmSettings = eqx.field(static=True)
 
-    def __init__(self, lhs, rhs, grad, settings: GemmSettings | None = None, **changes):
+    # Whether `state` is one state with a role axis (this class), or the three states
+    # themselves, a tuple (`Fp8RaggedDot`, whose states differ in shape).
+    _roles_stacked: ClassVar[bool] = True
+
+    def __init__(self, state=None, settings: GemmSettings | None = None, *extra, **changes):
         """Builds the module from its state and settings; most code wants
-        [`fp8ax.Fp8DotGeneral.init`][] instead. Keyword arguments named like a field of
-        [`fp8ax.GemmSettings`][] replace that field of `settings` (so
-        `dataclasses.replace(dg, mode="qdq")` works)."""
+        [`fp8ax.Fp8DotGeneral.init`][] instead.
+
+        **Arguments:**
+
+        - `state`: the recipe's state of the three operands, with the role axis (size 3:
+          lhs, rhs, grad) last among its stacked dimensions; or a tuple `(lhs, rhs, grad)`
+          of three states of one type and shape, which are stacked into one; or `None`
+          (a stateless recipe).
+        - `settings`: an [`fp8ax.GemmSettings`][] (default: its defaults).
+        - Keyword arguments named like a field of [`fp8ax.GemmSettings`][] replace that
+          field of `settings` (so `dataclasses.replace(dg, mode="qdq")` works).
+        """
+        if extra or isinstance(settings, AbstractState):
+            raise TypeError(
+                "`Fp8DotGeneral` takes its three states as one argument since they are held in one array: "
+                f"`{type(self).__name__}((lhs, rhs, grad), settings)`; got {2 + len(extra)} positional arguments, "
+                f"the second a {type(settings).__name__}."
+            )
         settings = GemmSettings() if settings is None else settings
         if not isinstance(settings, GemmSettings):
             raise TypeError(f"`settings` must be an `fp8ax.GemmSettings`, got {type(settings).__name__}.")
@@ -77,15 +99,73 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
             raise TypeError(f"`Fp8DotGeneral` got unexpected keyword arguments {unknown}.")
         if changes:
             settings = dataclasses.replace(settings, **changes)
-        self.lhs, self.rhs, self.grad, self.settings = lhs, rhs, grad, settings
+        if isinstance(state, tuple | list) and all(s is None for s in state):
+            state = None  # (a stateless recipe's three "states")
+        if isinstance(state, tuple | list):
+            state = _stacked_roles(tuple(state)) if type(self)._roles_stacked else _three_states(tuple(state))
+        self.state, self.settings = state, settings
 
     def __check_init__(self):
-        for name in ("lhs", "rhs", "grad"):
-            if not isinstance(getattr(self, name), AbstractState | None):
-                raise TypeError(
-                    f"`{name}` must be a recipe's state (an `fp8ax.AbstractState`, such as `fp8ax.ScalingState`) or "
-                    f"None, got {type(getattr(self, name)).__name__}."
+        if self.state is None or not type(self)._roles_stacked:
+            return
+        if not isinstance(self.state, AbstractState):
+            raise TypeError(
+                "`state` must be a recipe's state (an `fp8ax.AbstractState`, such as `fp8ax.ScalingState`) with a "
+                f"role axis of size 3, a tuple (lhs, rhs, grad) of states, or None; got {type(self.state).__name__}."
+            )
+        batch = self.state.batch_shape
+        if not batch or batch[-1] != len(ROLES):
+            raise ValueError(
+                "`state` must hold the three operands' states (lhs, rhs, grad) along a role axis of size 3, the "
+                f"last of its stacked dimensions; got a `{type(self.state).__name__}` of batch shape {batch}. Give "
+                "`(lhs, rhs, grad)` to stack three states."
+            )
+
+    @property
+    def lhs(self) -> AbstractState | None:
+        """The input's state: row 0 of `state` (None for a stateless recipe)."""
+        return _role(self, 0)
+
+    @property
+    def rhs(self) -> AbstractState | None:
+        """The kernel's state: row 1 of `state` (None for a stateless recipe)."""
+        return _role(self, 1)
+
+    @property
+    def grad(self) -> AbstractState | None:
+        """The output gradient's state: row 2 of `state` (None for a stateless recipe)."""
+        return _role(self, 2)
+
+    def with_states(
+        self, *, lhs: AbstractState | None = None, rhs: AbstractState | None = None, grad: AbstractState | None = None
+    ) -> "Fp8DotGeneral":
+        """This op with the states given replaced (each of the type and shape of the one
+        it replaces: `lhs`, `rhs`, `grad` as read), the others kept.
+
+        !!! Example
+
+            ```python
+            dg = dg.with_states(lhs=fp8ax.ScalingState(scale, amax_history))
+            ```
+        """
+        if self.state is None:
+            raise ValueError("This `Fp8DotGeneral` has a stateless recipe: it has no state to replace.")
+        given = {"lhs": lhs, "rhs": rhs, "grad": grad}
+        states = []
+        for role, new in given.items():
+            old = getattr(self, role)
+            if new is None:
+                states.append(old)
+                continue
+            if type(new) is not type(old) or [np.shape(v) for v in new._values] != [np.shape(v) for v in old._values]:
+                raise ValueError(
+                    f"`{role}` must be a `{type(old).__name__}` of the shapes of the state it replaces "
+                    f"({[np.shape(v) for v in old._values]}), got {new!r}."
                 )
+            states.append(new)
+        if not type(self)._roles_stacked:
+            return _with_state(self, tuple(states))
+        return _with_state(self, _stacked_roles(tuple(states), cast(AbstractState, self.state)))
 
     @classmethod
     def init(
@@ -115,8 +195,7 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
         """
         settings = settings_from("Fp8DotGeneral.init", recipe, mode, settings, gemm)
         batch_shape = tuple(int(b) for b in batch_shape)
-        lhs, rhs, grad = (settings.recipe.init_state(batch_shape) for _ in range(3))
-        return cls(lhs, rhs, grad, settings)
+        return cls(settings.recipe.init_state((*batch_shape, len(ROLES))), settings)
 
     @jax.named_scope("fp8ax.Fp8DotGeneral")
     def __call__(
@@ -173,6 +252,7 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
             state_is_max=state_is_max,
             lhs_vma=vma(lhs),
             rhs_vma=vma(rhs),
+            state_role_axes=_role_axes(self),
         )
         return with_out_sharding(quantized_dot(call, lhs, rhs, *raw), out_sharding)
 
@@ -182,7 +262,7 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
         `"empty"` (it has observed nothing: the layer was never run, or its new state was
         never written); for stacked layers, a problem of any entry. Reads the values:
         concrete arrays only. Empty for a stateless recipe."""
-        if self.lhs is None:
+        if self.state is None:
             return []
         recipe = stateful_recipe(self.settings)
         out = []
@@ -236,16 +316,17 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
             raise ValueError(f"FP8 state `{corrupt[0]}`: {CORRUPT_STATE}")
 
     def _raw_state(self) -> tuple:
-        if self.lhs is None:
+        if self.state is None:
             return ()
-        note_called(self.lhs._name)
+        states = _states(self)
+        note_called(states[0]._name)
         raw = []
-        for name in ("lhs", "rhs", "grad"):
-            state: AbstractState = getattr(self, name)
+        names = ROLES if len(states) > 1 else ("state",)
+        for where, state in zip(names, states):
             for leaf_name, leaf in zip(state.fields, state._raw()):
                 if not (is_max(leaf) or getattr(leaf, "dtype", None) == np.float32):
                     raise TypeError(
-                        f"FP8 state `{name}.{leaf_name}` has dtype {getattr(leaf, 'dtype', type(leaf).__name__)}, but "
+                        f"FP8 state `{where}.{leaf_name}` has dtype {getattr(leaf, 'dtype', type(leaf).__name__)}, but "
                         "must be float32 or bfloat16 (whose float32 exponent range holds every scale and amax; "
                         "float16 overflows above 65504 and flushes small scales to zero). It was probably cast "
                         "along with the model: cast to bfloat16 instead (a mixed-precision policy such as jmp's "
@@ -258,29 +339,28 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
     def _with_named_state(self, batch_axes: tuple[tuple[str, int], ...]) -> "Fp8DotGeneral":
         """This op with its states' axes named (the state of a Haliax layer): `batch_axes`,
         `(name, size)` pairs, for the stacked-layer dimensions (see `AbstractState`)."""
-        if self.lhs is None:
+        if self.state is None:
             return self
-        states = tuple(cast(AbstractState, s)._named(batch_axes) for s in (self.lhs, self.rhs, self.grad))
-        return _with_states(self, states)
+        if not isinstance(self.state, AbstractState):
+            return _with_state(self, tuple(s._named(batch_axes) for s in _states(self)))
+        return _with_state(self, self.state._named((*batch_axes, (ROLE_AXIS, len(ROLES)))))
 
     def _labelled(self, path: str) -> "Fp8DotGeneral":
         """This op with its states named after the layer at `path` (for the warning about
         a layer the training step never calls)."""
-        if self.lhs is None:
+        if self.state is None:
             return self
-        states = tuple(cast(AbstractState, s)._labelled(path) for s in (self.lhs, self.rhs, self.grad))
-        return _with_states(self, states)
+        return _with_state(self, _mapped(self.state, lambda s: s._labelled(path)))
 
     def _overwritten_by(self, new: "Fp8DotGeneral") -> "Fp8DotGeneral":
         # Used by `apply_updates`: take the new state of every layer the step used.
-        if self.lhs is None:  # a stateless recipe: nothing to write
+        if self.state is None:  # a stateless recipe: nothing to write
             return self
-        # A stateful op holds its three states together (`init` makes them so); a `new`
-        # without them is refused by `AbstractState._overwritten_by`.
-        old = cast(tuple[AbstractState, ...], (self.lhs, self.rhs, self.grad))
-        written = cast(tuple[AbstractState, ...], (new.lhs, new.rhs, new.grad))
-        states = tuple(o._overwritten_by(n) for o, n in zip(old, written))
-        return _with_states(self, states)
+        # A stateful op holds its states together (`init` makes them so); a `new` without
+        # them is refused by `AbstractState._overwritten_by`.
+        if not isinstance(self.state, AbstractState):
+            return _with_state(self, tuple(o._overwritten_by(n) for o, n in zip(_states(self), _states(new))))
+        return _with_state(self, self.state._overwritten_by(_states(new)[0]))
 
     # Haliax state dicts (`haliax.state_dict.to_state_dict`, Hugging Face export) hold
     # weights only: the FP8 state is training state, kept by training checkpoints
@@ -297,15 +377,56 @@ class Fp8DotGeneral(OverwriteWithGradient, SettingsView):
         return self
 
 
-def _with_states(op: Fp8DotGeneral, states: tuple) -> Fp8DotGeneral:
-    """`op` with its `(lhs, rhs, grad)` states replaced, everything else shared. Written
-    out rather than `eqx.tree_at`, which flattens `op` twice: with a traced state, each
-    flatten makes a fresh view of each state value (`_state._view`), per layer and step."""
+def _with_state(op: Fp8DotGeneral, state) -> Fp8DotGeneral:
+    """`op` with its `state` replaced, everything else shared. Written out rather than
+    `eqx.tree_at`, which flattens `op` twice: with a traced state, each flatten makes a
+    fresh view of each state value (`_state._view`), per layer and step."""
     new = object.__new__(type(op))
     new.__dict__.update(op.__dict__)
-    for name, state in zip(("lhs", "rhs", "grad"), states, strict=True):
-        object.__setattr__(new, name, state)
+    object.__setattr__(new, "state", state)
     return new
+
+
+def _states(op: Fp8DotGeneral) -> tuple:
+    """`op`'s states as it holds them: its one state, or its three (`Fp8RaggedDot`)."""
+    return op.state if isinstance(op.state, tuple) else (op.state,)
+
+
+def _role_axes(op: Fp8DotGeneral) -> tuple[int, ...]:
+    """`Call.state_role_axes` of `op`'s state: its role axis, counted from the end of each
+    of its arrays; empty for three states or none."""
+    if not isinstance(op.state, AbstractState):
+        return ()
+    return tuple(-1 - e for e in op.state.entry_ndims)
+
+
+def _mapped(state, fn):
+    return tuple(fn(s) for s in state) if isinstance(state, tuple) else fn(state)
+
+
+def _role(op: Fp8DotGeneral, i: int) -> AbstractState | None:
+    if op.state is None:
+        return None
+    if isinstance(op.state, tuple):
+        return op.state[i]
+    if not isinstance(op.state, AbstractState) or not all(hasattr(v, "shape") for v in op.state._values):
+        # (A placeholder: `eqx.tree_at`'s, or a filter's None.) Not an AttributeError,
+        # which would send Python to `__getattr__` and its "no attribute" message.
+        raise TypeError(
+            f"`{ROLES[i]}` is row {i} of the layer's one state (`state`, with a role axis: lhs, rhs, grad), read "
+            f"from it; it is not a pytree node of its own. To replace it, use `dg.with_states({ROLES[i]}=...)`, "
+            "or replace `state` (`eqx.tree_at(lambda m: m.state, dg, new_state)`)."
+        )
+    return _role_of(op.state, i)
+
+
+def _three_states(states: tuple) -> tuple:
+    if len(states) != len(ROLES) or not all(isinstance(s, AbstractState) for s in states):
+        raise TypeError(
+            "`state` must be a tuple of three states (lhs, rhs, grad), each an `fp8ax.AbstractState`, or None; got "
+            f"{tuple(type(s).__name__ for s in states)}."
+        )
+    return states
 
 
 def make_call(
@@ -321,6 +442,7 @@ def make_call(
     state_is_max: tuple,
     lhs_vma,
     rhs_vma,
+    state_role_axes: tuple[int, ...] = (),
 ) -> Call:
     """The static description of one GEMM call (checked dimension numbers, output dtype,
     forward precision), shared by [`fp8ax.Fp8DotGeneral`][] and the serving dot general.
@@ -347,6 +469,7 @@ def make_call(
         state_is_max=state_is_max,
         lhs_vma=lhs_vma,
         rhs_vma=rhs_vma,
+        state_role_axes=state_role_axes,
     )
 
 
@@ -420,3 +543,68 @@ def check_explicit_sharding(op: str, settings: GemmSettings | None, *operands) -
         f"`CurrentScaling('tensor')`), not for {what}. Make the mesh's axes `AxisType.Auto` (the default of "
         "`jax.make_mesh`), or use a tensor-wise recipe."
     )
+
+
+# The name of the role axis of a Haliax layer's state (see `AbstractState`'s named axes).
+ROLE_AXIS = "fp8ax_role"
+
+
+def _role_of(state: AbstractState, i: int) -> AbstractState:
+    """Row `i` of `state`'s role axis (see `Fp8DotGeneral`), a state of the same type."""
+    values, axes = [], state._axes_of()
+    for k, extra in enumerate(state.entry_ndims):
+        v = state._leaf(k)
+        values.append(None if v is None else _eager_if_concrete(_row, v, i, np.ndim(v) - extra - 1))
+    if axes is not None:
+        axes = tuple(
+            None if ax is None else tuple(p for j, p in enumerate(ax) if j != len(ax) - extra - 1)
+            for ax, extra in zip(axes, state.entry_ndims)
+        )
+    return type(state)._make(tuple(values), axes, state._label)
+
+
+def _stacked_roles(states: tuple, like: AbstractState | None = None) -> AbstractState:
+    """The states `(lhs, rhs, grad)` stacked along a new role axis (see `Fp8DotGeneral`),
+    with `like`'s axis names and label where given."""
+    if len(states) != len(ROLES) or not all(isinstance(s, AbstractState) for s in states):
+        raise TypeError(
+            f"`state` as a tuple must hold three states (lhs, rhs, grad), got {tuple(type(s).__name__ for s in states)}."
+        )
+    first = states[0]
+    shapes = [[np.shape(v) for v in s._values] for s in states]
+    if any(type(s) is not type(first) for s in states) or any(sh != shapes[0] for sh in shapes):
+        raise ValueError(
+            "The three states (lhs, rhs, grad) must be of one type and shape, got "
+            f"{[type(s).__name__ for s in states]} of shapes {shapes}."
+        )
+    values = []
+    for k, extra in enumerate(first.entry_ndims):
+        rows = [s._leaf(k) for s in states]
+        values.append(_eager_if_concrete(_stack, rows, np.ndim(rows[0]) - extra))
+    if like is not None:
+        return type(first)._make(tuple(values), like._axes_of(), like._label)
+    axes = first._axes_of()
+    if axes is not None:
+        axes = tuple(
+            None if ax is None else (*ax[: len(ax) - extra], (ROLE_AXIS, len(ROLES)), *ax[len(ax) - extra :])
+            for ax, extra in zip(axes, first.entry_ndims)
+        )
+    return type(first)._make(tuple(values), axes, first._label)
+
+
+def _row(x, i, axis):
+    return lax.index_in_dim(x, i, axis, keepdims=False)
+
+
+def _stack(rows, axis):
+    return jnp.stack(rows, axis=axis)
+
+
+def _eager_if_concrete(fn, x, *args):
+    """`fn(x, *args)` (`x` an array or a list of them), computed at once where `x` holds
+    no tracer, even inside a trace (a model closed over by a jitted function reads
+    concrete states, and must not stage their rows)."""
+    if any(isinstance(v, jax.core.Tracer) for v in (x if isinstance(x, list) else [x])):
+        return fn(x, *args)
+    with jax.ensure_compile_time_eval():
+        return fn(x, *args)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Unpack
+from typing import TYPE_CHECKING, ClassVar, Unpack
 
 import equinox as eqx
 import jax
@@ -43,15 +43,18 @@ class Fp8RaggedDot(Fp8DotGeneral):
     [`fp8ax.Fp8MoELinear`][]); Equinox code calls it directly, as it would call
     `jax.lax.ragged_dot`.
 
-    It is an [`fp8ax.Fp8DotGeneral`][] in everything but the call: the same settings, the
-    same state (`lhs`, `rhs`, `grad`) written by the same custom-VJP "gradient", so
+    It is an [`fp8ax.Fp8DotGeneral`][] in everything but the call and the state's form: the
+    same settings, the same states (`lhs`, `rhs`, `grad`) written by the same custom-VJP
+    "gradient", so
     [`fp8ax.partition_for_grad_overwrite`][], [`fp8ax.apply_updates`][],
     [`fp8ax.calibrate`][] and [`fp8ax.scaling_stats`][] work unchanged, and several uses
     of one layer merge their state by `max`. With `per_expert_weights` (the default of
     [`fp8ax.Fp8RaggedDot.init`][] when given `num_experts`), each expert's weight is
     quantized as a tensor of its own: the `rhs` state has one entry per expert (a leading
     `Experts` dimension), and an expert that no token reaches in a call records nothing
-    and keeps its state.
+    and keeps its state. Its states differ in shape, so `state` holds them as a tuple
+    `(lhs, rhs, grad)` of three states, where [`fp8ax.Fp8DotGeneral`][] holds one state
+    with a role axis.
 
     The tokens (`lhs`) and the output gradient are scaled as one tensor each (or per
     row, for row-wise recipes). MX, blockwise and NVFP4 blocks along the tokens (the
@@ -64,19 +67,20 @@ class Fp8RaggedDot(Fp8DotGeneral):
     per_expert_weights: bool = eqx.field(static=True)
     per_group_tokens: bool = eqx.field(static=True)
 
+    _roles_stacked: ClassVar[bool] = False
+
     def __init__(
         self,
-        lhs,
-        rhs,
-        grad,
+        state=None,
         settings: GemmSettings | None = None,
         per_expert_weights=False,
         per_group_tokens=False,
         **changes,
     ):
-        """Builds the module from its state and settings; most code wants
-        [`fp8ax.Fp8RaggedDot.init`][] instead."""
-        super().__init__(lhs, rhs, grad, settings, **changes)
+        """Builds the module from its states `(lhs, rhs, grad)` (a tuple, or None for a
+        stateless recipe) and settings; most code wants [`fp8ax.Fp8RaggedDot.init`][]
+        instead."""
+        super().__init__(state, settings, **changes)
         for name, value in (("per_expert_weights", per_expert_weights), ("per_group_tokens", per_group_tokens)):
             if not isinstance(value, bool):
                 raise TypeError(f"`{name}` must be a bool, got {value!r}.")
@@ -87,9 +91,10 @@ class Fp8RaggedDot(Fp8DotGeneral):
     def layer_batch_shape(self) -> tuple[int, ...]:
         """The stacked-layer dimensions of the state (without the per-expert or per-group
         one)."""
-        if self.lhs is None:
+        lhs = self.lhs
+        if lhs is None:
             return ()
-        shape = self.lhs.batch_shape
+        shape = lhs.batch_shape
         return shape[:-1] if self.per_group_tokens else shape
 
     def __check_init__(self):
@@ -166,7 +171,7 @@ class Fp8RaggedDot(Fp8DotGeneral):
         grad = recipe.init_state(tokens)
         rhs = recipe.init_state(batch_shape + (experts if per_expert_weights else ()))
         return cls(
-            lhs, rhs, grad, settings, per_expert_weights=bool(per_expert_weights), per_group_tokens=per_group_tokens
+            (lhs, rhs, grad), settings, per_expert_weights=bool(per_expert_weights), per_group_tokens=per_group_tokens
         )
 
     @jax.named_scope("fp8ax.Fp8RaggedDot")

@@ -187,8 +187,11 @@ class AbstractStatefulRecipe(AbstractScalingRecipe):
 
     @abc.abstractmethod
     def init_state(self, batch_shape: tuple[int, ...] = ()) -> AbstractState:
-        """Fresh state for one operand (`batch_shape` for stacked layers): an instance of
-        the recipe's own [`fp8ax.AbstractState`][] subclass."""
+        """Fresh state for one operand, one per entry of `batch_shape` (stacked layers):
+        an instance of the recipe's own [`fp8ax.AbstractState`][] subclass. An
+        [`fp8ax.Fp8DotGeneral`][] asks for the states of its three operands as one, with
+        `batch_shape` ending in 3 (its role axis: lhs, rhs, grad), and the GEMM pipeline
+        hands the recipe each operand's row."""
 
     @abc.abstractmethod
     def state_observed(self, state: tuple[ArrayLike, ...]) -> np.ndarray:
